@@ -1,0 +1,1 @@
+"""slime: RL post-training for LLMs."""

@@ -1,0 +1,182 @@
+"""The tensors of a running batch and the model calls on them: prefill, decode, merge, shrink.
+
+Sequences are left-padded into one KV cache (transformers' `DynamicCache`). Every row keeps
+its own position counter, so a row's RoPE positions never include padding, and an attention
+mask hides the padded cache columns. New sequences join a running batch by prefilling them
+on their own and concatenating the two caches along the batch axis after left-padding the
+shorter one (continuous batching); finished rows are dropped with `batch_select_indices`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from slime.backends.cpu_engine.protocol import GenerationRequest
+
+# Dropping all-padding cache columns costs a copy; only do it once this many pile up.
+_TRIM_MIN_COLUMNS = 64
+
+
+@dataclass
+class RunningBatch:
+    """Sequences decoding together.
+
+    Args:
+        requests: One per row.
+        cache: KV cache, (rows, heads, columns, head_dim) per layer.
+        attention_mask: (rows, columns); 0 marks padding columns.
+        next_positions: (rows,) position id of the token each row feeds next.
+        last_tokens: (rows,) the token each row feeds next (its newest sampled token).
+    """
+
+    requests: list[GenerationRequest]
+    cache: DynamicCache
+    attention_mask: torch.Tensor
+    next_positions: torch.Tensor
+    last_tokens: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); use whichever the model takes."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into (ids, attention_mask), both (len(sequences), longest)."""
+    longest = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, longest - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        mask[row, longest - len(seq) :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def prefill(model, requests: list[GenerationRequest], pad_id: int) -> tuple[RunningBatch, torch.Tensor]:
+    """Run the prompts of `requests` through the model in one left-padded forward.
+
+    Returns:
+        (batch, logits): `batch.last_tokens` is still unset (zeros) until the caller samples from
+        `logits`, the (rows, vocab) next-token logits of every prompt.
+    """
+    ids, mask = left_pad([r.input_ids for r in requests], pad_id)
+    positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    # The model fills `cache` in place.
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{_cache_argument(type(model)): cache},
+    )
+    batch = RunningBatch(
+        requests=list(requests),
+        cache=cache,
+        attention_mask=mask,
+        next_positions=mask.sum(dim=-1),
+        last_tokens=torch.zeros(len(requests), dtype=torch.long),
+    )
+    return batch, out.logits[:, -1, :]
+
+
+@torch.no_grad()
+def decode(model, batch: RunningBatch) -> torch.Tensor:
+    """Feed every row's last token, extend the cache by one column, return (rows, vocab) logits."""
+    mask = torch.cat([batch.attention_mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=-1)
+    out = model(
+        input_ids=batch.last_tokens.unsqueeze(-1),
+        attention_mask=mask,
+        position_ids=batch.next_positions.unsqueeze(-1),
+        use_cache=True,
+        **{_cache_argument(type(model)): batch.cache},
+    )
+    batch.attention_mask = mask
+    batch.next_positions = batch.next_positions + 1
+    return out.logits[:, -1, :]
+
+
+@torch.no_grad()
+def prompt_log_probs(model, input_ids: list[int], start: int, temperature: float) -> list[float | None]:
+    """Log-probs of prompt tokens given their prefix, for positions >= `start` (None elsewhere and at 0).
+
+    Run on its own (batch of one) so the full (length, vocab) logits of only one prompt are alive.
+    """
+    logits = model(input_ids=torch.tensor([input_ids]), use_cache=False).logits[0, :-1].float()
+    scale = temperature if temperature > 0 else 1.0
+    log_probs = (logits / scale).log_softmax(dim=-1)
+    picked = log_probs.gather(-1, torch.tensor(input_ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+    return [None] + [lp if pos + 1 >= start else None for pos, lp in enumerate(picked)]
+
+
+def caches_can_merge(cache: DynamicCache) -> bool:
+    """Sliding-window layers keep a moving window, which left-padding would corrupt."""
+    return not any(layer.is_sliding for layer in cache.layers)
+
+
+def _layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _pad_columns(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    """Left-pad dim -2 of a (rows, heads, cols, dim) cache tensor, or the last dim of a 2-D mask."""
+    if columns == 0:
+        return tensor
+    if tensor.dim() == 2:
+        return torch.cat([tensor.new_zeros(tensor.shape[0], columns), tensor], dim=-1)
+    pad = tensor.new_zeros(tensor.shape[0], tensor.shape[1], columns, tensor.shape[3])
+    return torch.cat([pad, tensor], dim=-2)
+
+
+def merge(model, running: RunningBatch, joining: RunningBatch) -> RunningBatch:
+    """One batch holding the rows of `running` then `joining`; the shorter cache is left-padded."""
+    width = max(running.attention_mask.shape[1], joining.attention_mask.shape[1])
+    pad_a = width - running.attention_mask.shape[1]
+    pad_b = width - joining.attention_mask.shape[1]
+    layers = [
+        (
+            torch.cat([_pad_columns(ka, pad_a), _pad_columns(kb, pad_b)]),
+            torch.cat([_pad_columns(va, pad_a), _pad_columns(vb, pad_b)]),
+        )
+        for (ka, va), (kb, vb) in zip(_layer_tensors(running.cache), _layer_tensors(joining.cache))
+    ]
+    return RunningBatch(
+        requests=running.requests + joining.requests,
+        cache=DynamicCache(layers, config=model.config),
+        attention_mask=torch.cat(
+            [_pad_columns(running.attention_mask, pad_a), _pad_columns(joining.attention_mask, pad_b)]
+        ),
+        next_positions=torch.cat([running.next_positions, joining.next_positions]),
+        last_tokens=torch.cat([running.last_tokens, joining.last_tokens]),
+    )
+
+
+def keep_rows(model, batch: RunningBatch, rows: list[int]) -> RunningBatch:
+    """Drop every row not in `rows`; also drop leading cache columns that became padding for all rows."""
+    index = torch.tensor(rows, dtype=torch.long)
+    batch.cache.batch_select_indices(index)
+    mask = batch.attention_mask[index]
+    batch = RunningBatch(
+        requests=[batch.requests[row] for row in rows],
+        cache=batch.cache,
+        attention_mask=mask,
+        next_positions=batch.next_positions[index],
+        last_tokens=batch.last_tokens[index],
+    )
+    empty_columns = int(mask.any(dim=0).long().argmax()) if mask.numel() else 0
+    if empty_columns >= _TRIM_MIN_COLUMNS and caches_can_merge(batch.cache):
+        layers = [(k[:, :, empty_columns:], v[:, :, empty_columns:]) for k, v in _layer_tensors(batch.cache)]
+        batch.cache = DynamicCache(layers, config=model.config)
+        batch.attention_mask = mask[:, empty_columns:]
+    return batch

@@ -1,0 +1,462 @@
+"""The CPU engine: a scheduler thread that owns the model and runs generation and weight changes.
+
+One worker thread does every forward pass and every write to the weights, in order, so a
+weight update always lands between two decode steps and never under a running forward. The
+HTTP side only queues work: requests go to a pending queue, everything else (weight updates,
+release/resume, pause) is a "control" callable the worker runs at the next step boundary.
+
+Scheduling: at each step boundary the worker admits pending requests while the batch has
+room (`max_running_requests`, and at most `max_prefill_tokens` padded prompt tokens per
+prefill), prefills them together and merges them into the running batch, then runs one
+decode step for all rows. Finished rows leave the batch right away.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from slime.backends.cpu_engine import batch as batching
+from slime.backends.cpu_engine import weights
+from slime.backends.cpu_engine.protocol import GenerationRequest, RequestError
+from slime.backends.cpu_engine.sampling import sample_next_tokens
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class CpuEngine:
+    """A HuggingFace causal LM served with batched decoding on CPU.
+
+    Args:
+        model_path: Local HF folder (safetensors weights, tokenizer).
+        dtype: Parameter dtype; keep float32 on CPUs without fast bf16.
+        max_running_requests: Most sequences decoding at once.
+        max_prefill_tokens: Most padded prompt tokens prefilled in one forward (one prompt always fits).
+        context_length: Longest prompt + output; defaults to the config's `max_position_embeddings`.
+        random_seed: Seeds torch's generator, used by requests without `sampling_seed`.
+        num_threads: torch intra-op threads for the worker; None leaves torch's setting alone.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        max_running_requests: int = 32,
+        max_prefill_tokens: int = 16384,
+        context_length: int | None = None,
+        random_seed: int = 0,
+        num_threads: int | None = None,
+    ):
+        self.model_path = str(Path(model_path).resolve())
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.num_threads = num_threads
+        torch.manual_seed(random_seed)
+        self.model, self.tokenizer = weights.load_model(self.model_path, dtype)
+        config = self.model.config
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.context_length = context_length or getattr(config, "max_position_embeddings", None) or 4096
+        self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
+        self.pad_token_id = next(
+            t for t in (self.tokenizer.pad_token_id, *sorted(self.eos_token_ids), 0) if t is not None
+        )
+        self.weight_version = "default"
+
+        self._targets = weights.weight_targets(self.model)
+        # A file or folder that holds exactly the live weights, reloaded by resume; None once they drift.
+        loaded = set().union(*(_names_in(f) for f in weights.safetensors_files(self.model_path)))
+        self._weights_source: str | None = (
+            self.model_path if not weights.parameters_missing_from(self.model, loaded) else None
+        )
+        self._scratch_dir: str | None = None
+        self._released_layout: dict | None = None
+
+        self._cond = threading.Condition()
+        self._pending: deque[GenerationRequest] = deque()
+        self._active: dict[str, GenerationRequest] = {}
+        self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._paused = False
+        self._stopping = False
+        self._abort_signal = False
+        self._batch: batching.RunningBatch | None = None
+        self._num_running = 0
+        self._thread = threading.Thread(target=self._worker, name="cpu-engine-worker", daemon=True)
+        self._thread.start()
+
+    # ----- called from any thread -------------------------------------------------------------
+
+    @property
+    def released(self) -> bool:
+        return self._released_layout is not None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        """Queue requests; each one's `on_finish` is called (on the worker thread) when it ends.
+
+        Raises:
+            RequestError: 503 while the weights are released, 400 when a `rid` is already in flight.
+        """
+        with self._cond:
+            if self.released:
+                raise RequestError(
+                    "the engine's weights are released (/release_memory_occupation); "
+                    "call /resume_memory_occupation before generating",
+                    status=503,
+                )
+            taken = [r.rid for r in requests if r.rid in self._active]
+            if taken:
+                raise RequestError(f"rid {taken[0]!r} is already in flight; use a fresh rid")
+            for request in requests:
+                if request.params.sampling_seed is not None:
+                    request.generator = torch.Generator().manual_seed(request.params.sampling_seed)
+                self._active[request.rid] = request
+                self._pending.append(request)
+            self._cond.notify()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Abort one request (by `rid`) or all of them; returns how many were in flight.
+
+        Waiting requests end at once with no output; running ones end at the next step boundary
+        with what they have generated so far. Both report finish_reason `{"type": "abort"}`.
+        """
+        with self._cond:
+            if abort_all:
+                hits = list(self._active.values())
+            else:
+                hits = [self._active[rid]] if rid in self._active else []
+            waiting = []
+            for request in hits:
+                request.abort_requested = True
+                if request in self._pending:
+                    self._pending.remove(request)
+                    waiting.append(request)
+            self._abort_signal = True
+            self._cond.notify()
+        for request in waiting:
+            self._finish(request, _abort_reason())
+        return len(hits)
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the worker thread at the next step boundary; the future holds its result."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine is shut down")
+            self._controls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def pause(self, mode: str = "abort") -> concurrent.futures.Future[None]:
+        """Stop decoding at the next step boundary; new requests wait until `continue_generation`.
+
+        Args:
+            mode: "abort" ends every request in flight with its partial output (SGLang's default);
+                "in_place" / "retract" keep them, with their KV cache, and carry on after
+                `continue_generation` (here both behave the same).
+
+        Returns:
+            A future that completes once the worker has stopped between two steps.
+        """
+        if mode not in ("abort", "in_place", "retract"):
+            raise RequestError(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
+        with self._cond:
+            self._paused = True
+        if mode == "abort":
+            self.abort(abort_all=True)
+        return self.call(lambda: None)
+
+    def continue_generation(self) -> None:
+        """Undo `pause`."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    def load(self) -> dict[str, int]:
+        """Request counts, named as SGLang's /v1/loads does."""
+        with self._cond:
+            waiting = len(self._pending)
+            total = len(self._active)
+        return {"num_running_reqs": total - waiting, "num_waiting_reqs": waiting, "num_total_reqs": total}
+
+    def update_weights(
+        self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> concurrent.futures.Future[str]:
+        """Copy (HF name, tensor) pairs into the model between two steps; the future holds the new version."""
+
+        def run() -> str:
+            self._require_weights("update weights")
+            weights.copy_named_tensors(self._targets, named_tensors)
+            self._weights_source = None
+            return self._bump_version(weight_version)
+
+        return self.call(run)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> concurrent.futures.Future:
+        """Load every safetensors tensor of a HF folder into the model; the future holds the new version."""
+
+        def run() -> str:
+            self._require_weights("update weights")
+            weights.load_safetensors_folder(self._targets, model_path)
+            # The folder may be rewritten or deleted later; a release snapshots the live weights instead.
+            self._weights_source = None
+            return self._bump_version(weight_version)
+
+        return self.call(run)
+
+    def release_memory(self) -> concurrent.futures.Future[None]:
+        """Free the weights' memory. Refused (400) while requests are in flight.
+
+        Weights that no longer match a checkpoint on disk are first saved to a scratch
+        safetensors file, which `resume_memory` reloads.
+        """
+        return self.call(self._release)
+
+    def resume_memory(self) -> concurrent.futures.Future[None]:
+        """Reallocate the weights and reload them from the checkpoint or the release snapshot."""
+        return self.call(self._resume)
+
+    def shutdown(self) -> None:
+        """Abort everything, stop the worker and remove scratch files."""
+        self.abort(abort_all=True)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=60)
+        if self._scratch_dir is not None:
+            shutil.rmtree(self._scratch_dir, ignore_errors=True)
+
+    # ----- worker thread ----------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        can_run = not self._paused and not self.released and (self._pending or self._batch is not None)
+        return self._stopping or bool(self._controls) or self._abort_signal or bool(can_run)
+
+    def _worker(self) -> None:
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._has_work)
+                if self._stopping:
+                    return
+                controls = list(self._controls)
+                self._controls.clear()
+                self._abort_signal = False
+            for fn, future in controls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as error:  # handed to the caller through the future
+                        future.set_exception(error)
+            self._drop_aborted()
+            if self._paused or self.released:
+                continue
+            admitted = self._take_pending()
+            try:
+                if admitted:
+                    self._admit(admitted)
+                if self._batch is not None:
+                    self._decode_step()
+            except Exception as error:
+                logger.exception("generation step failed")
+                failed = admitted + (self._batch.requests if self._batch is not None else [])
+                self._set_batch(None)
+                for request in failed:
+                    if not request.finished:
+                        request.error = f"generation failed: {error!r}"
+                        self._finish(request, _abort_reason(request.error))
+
+    def _take_pending(self) -> list[GenerationRequest]:
+        running = len(self._batch) if self._batch is not None else 0
+        if self._batch is not None and not batching.caches_can_merge(self._batch.cache):
+            return []
+        taken: list[GenerationRequest] = []
+        with self._cond:
+            longest = 0
+            while self._pending and running + len(taken) < self.max_running_requests:
+                longest = max(longest, len(self._pending[0].input_ids))
+                if taken and longest * (len(taken) + 1) > self.max_prefill_tokens:
+                    break
+                taken.append(self._pending.popleft())
+        return taken
+
+    def _admit(self, requests: list[GenerationRequest]) -> None:
+        for request in requests:
+            if request.logprob_start_len >= 0:
+                request.input_logprobs = batching.prompt_log_probs(
+                    self.model, request.input_ids, request.logprob_start_len, request.params.temperature
+                )
+        generating = []
+        for request in requests:
+            if request.max_new_tokens == 0:
+                self._finish(request, {"type": "length", "length": 0})
+            else:
+                generating.append(request)
+        if not generating:
+            return
+        joining, logits = batching.prefill(self.model, generating, self.pad_token_id)
+        joining = self._advance(joining, logits)
+        if joining is None:
+            return
+        self._set_batch(joining if self._batch is None else batching.merge(self.model, self._batch, joining))
+
+    def _decode_step(self) -> None:
+        logits = batching.decode(self.model, self._batch)
+        self._set_batch(self._advance(self._batch, logits))
+
+    def _advance(self, batch: batching.RunningBatch, logits: torch.Tensor) -> batching.RunningBatch | None:
+        """Sample one token per row, record it, and return the batch without the rows that finished."""
+        requests = batch.requests
+        banned = [
+            self._stop_token_ids(r) if len(r.output_ids) < r.params.min_new_tokens else [] for r in requests
+        ]
+        tokens, log_probs = sample_next_tokens(
+            logits, [r.params for r in requests], [r.generator for r in requests], banned
+        )
+        batch.last_tokens = torch.tensor(tokens, dtype=torch.long)
+        alive = []
+        for row, (request, token, log_prob) in enumerate(zip(requests, tokens, log_probs)):
+            request.output_ids.append(token)
+            request.output_logprobs.append(log_prob)
+            reason = self._finish_reason(request)
+            if reason is None:
+                alive.append(row)
+            else:
+                self._finish(request, reason)
+        if len(alive) == len(requests):
+            return batch
+        return batching.keep_rows(self.model, batch, alive) if alive else None
+
+    def _stop_token_ids(self, request: GenerationRequest) -> list[int]:
+        if request.params.ignore_eos:
+            return []
+        return sorted(self.eos_token_ids.union(request.params.stop_token_ids))
+
+    def _finish_reason(self, request: GenerationRequest) -> dict[str, Any] | None:
+        """SGLang's order: the length limit first, then stop tokens, then stop strings."""
+        produced = len(request.output_ids)
+        if produced >= request.max_new_tokens:
+            return {"type": "length", "length": request.max_new_tokens}
+        if produced < request.params.min_new_tokens:
+            return None
+        token = request.output_ids[-1]
+        if not request.params.ignore_eos and (token in self.eos_token_ids or token in request.params.stop_token_ids):
+            return {"type": "stop", "matched": token}
+        if request.params.stop:
+            tail = self.tokenizer.decode(request.output_ids[-request.stop_str_window :])
+            for stop in request.params.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None
+
+    def _drop_aborted(self) -> None:
+        if self._batch is None:
+            return
+        keep = []
+        for row, request in enumerate(self._batch.requests):
+            if request.abort_requested:
+                self._finish(request, _abort_reason())
+            else:
+                keep.append(row)
+        if len(keep) < len(self._batch):
+            self._set_batch(batching.keep_rows(self.model, self._batch, keep) if keep else None)
+
+    def _set_batch(self, batch: batching.RunningBatch | None) -> None:
+        self._batch = batch
+        self._num_running = len(batch) if batch is not None else 0
+
+    def _finish(self, request: GenerationRequest, reason: dict[str, Any]) -> None:
+        with self._cond:
+            self._active.pop(request.rid, None)
+        request.finish_reason = reason
+        request.weight_version = self.weight_version
+        request.finish_time = time.time()
+        if request.on_finish is not None:
+            request.on_finish(request)
+
+    def _require_weights(self, action: str) -> None:
+        if self.released:
+            raise RequestError(f"cannot {action}: the weights are released; call /resume_memory_occupation first")
+
+    def _bump_version(self, explicit: str | None) -> str:
+        if explicit is not None:
+            self.weight_version = str(explicit)
+        elif self.weight_version.isdigit():
+            self.weight_version = str(int(self.weight_version) + 1)
+        else:
+            self.weight_version = "1"
+        return self.weight_version
+
+    def _release(self) -> None:
+        with self._cond:
+            if self.released:
+                return
+            if self._active:
+                raise RequestError(
+                    f"cannot release memory with {len(self._active)} request(s) in flight; "
+                    "abort them (/abort_request with abort_all) or wait for them first"
+                )
+            if self._weights_source is None:
+                if self._scratch_dir is None:
+                    self._scratch_dir = tempfile.mkdtemp(prefix="slime-cpu-engine-")
+                snapshot = Path(self._scratch_dir) / "released-weights.safetensors"
+                weights.save_weights(self.model, snapshot)
+                self._weights_source = str(snapshot)
+            self._released_layout = weights.free_parameters(self.model)
+
+    def _resume(self) -> None:
+        if not self.released:
+            return
+        weights.allocate_parameters(self.model, self._released_layout)
+        try:
+            loaded = weights.load_safetensors_folder(self._targets, self._weights_source)
+            missing = weights.parameters_missing_from(self.model, loaded)
+            if missing:
+                raise RuntimeError(f"{self._weights_source} lacks parameters {missing[:8]}; the weights stay released")
+        except Exception:
+            weights.free_parameters(self.model)
+            raise
+        with self._cond:
+            self._released_layout = None
+            self._cond.notify()
+
+
+def _abort_reason(message: str = "aborted") -> dict[str, Any]:
+    return {"type": "abort", "message": message}
+
+
+def _names_in(safetensors_file: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(safetensors_file, framework="pt") as reader:
+        return set(reader.keys())
+
+
+def _eos_token_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the tokenizer, the generation config and the model config (each may be a list)."""
+    ids: set[int] = set()
+    for value in (
+        tokenizer.eos_token_id,
+        getattr(model.generation_config, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,140 @@
+"""One inference engine: its server process and the control calls that go to it.
+
+`RolloutEngine` is a plain class; the RolloutManager turns it into a Ray actor with
+`ray.remote(num_cpus=..., num_gpus=...)(RolloutEngine)`. The server is SGLang on GPU
+(`python -m sglang.launch_server`) or slime's CPU engine (`python -m slime.backends.cpu_engine`);
+both speak the same HTTP API, so the control methods (inherited from `EngineClient`) are shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+from slime.backends.sglang_utils.http_client import EngineClient
+from slime.backends.sglang_utils.server_process import launch_server_process, server_log_path, stop_server_process
+from slime.backends.sglang_utils.sglang_engine import (
+    build_cpu_engine_args,
+    build_sglang_server_args,
+    cpu_engine_num_threads,
+)
+from slime.utils.http_utils import find_free_port, wait_until_healthy
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("sglang", "cpu")
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+class RolloutEngine(EngineClient):
+    """Launches one engine server and forwards control calls to it.
+
+    Args:
+        args: slime's parsed arguments (`hf_checkpoint`, `rollout_num_gpus_per_engine`,
+            `sglang_server_args`, `offload_rollout`, `cpu_engine_*`, `server_log_dir`).
+        rank: Engine index, used in log names.
+        backend: "sglang" (GPU) or "cpu".
+        host: Address the server binds and is reached at.
+        port: HTTP port; a free one when None.
+        model_path: Checkpoint to serve; `args.hf_checkpoint` when None.
+        base_gpu_id: First GPU index of this engine on its node (SGLang only).
+        nnodes: Nodes one engine spans (SGLang only).
+        node_rank: This actor's node within the engine; only node 0 serves HTTP (SGLang only).
+        dist_init_addr: "ip:port" of node 0 for multi-node engines (SGLang only).
+    """
+
+    def __init__(
+        self,
+        args: Namespace,
+        rank: int,
+        backend: str = "sglang",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        model_path: str | None = None,
+        base_gpu_id: int = 0,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        dist_init_addr: str | None = None,
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown engine backend {backend!r}; choose one of {BACKENDS}")
+        self.args = args
+        self.rank = rank
+        self.backend = backend
+        self.host = host
+        self.port = port or find_free_port(host)
+        self.model_path = model_path or getattr(args, "hf_checkpoint", None)
+        if not self.model_path:
+            raise ValueError("no model to serve: pass --hf-checkpoint (or model_path=) to the rollout engine")
+        self.base_gpu_id = base_gpu_id
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.dist_init_addr = dist_init_addr
+        self.process = None
+        self.log_path: Path | None = None
+        super().__init__(f"http://{host}:{self.port}")
+
+    def url(self) -> str:
+        """Base URL of the engine's HTTP server, e.g. "http://127.0.0.1:30001"."""
+        return self.base_url
+
+    def start(self, timeout: float = 600.0) -> str:
+        """Launch the server and wait until GET /health answers.
+
+        Args:
+            timeout: Startup timeout in seconds (model load, and CUDA graph capture on GPU).
+
+        Returns:
+            The engine's base URL.
+
+        Raises:
+            RuntimeError / TimeoutError: The server died or never became healthy; the message names the
+                model path and carries the end of the server log.
+        """
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"engine {self.rank} is already running at {self.base_url}")
+        command, env = self._server_command()
+        self.log_path = server_log_path(self.args, f"engine{self.rank}_{self.backend}_{self.port}")
+        logger.info("starting %s engine %d at %s (log: %s)", self.backend, self.rank, self.base_url, self.log_path)
+        self.process = launch_server_process(command, self.log_path, env=env)
+        if self.node_rank != 0:
+            return self.base_url  # the engine's HTTP server runs on node 0 only
+        try:
+            wait_until_healthy(f"{self.base_url}/health", timeout, process=self.process, log_path=self.log_path)
+        except (RuntimeError, TimeoutError) as e:
+            self.shutdown()
+            raise type(e)(f"{self.backend} engine {self.rank} serving {self.model_path} failed to start: {e}") from e
+        return self.base_url
+
+    def _server_command(self) -> tuple[list[str], dict[str, str]]:
+        env = dict(os.environ)
+        if self.backend == "cpu":
+            server_args = build_cpu_engine_args(self.args, model_path=self.model_path, host=self.host, port=self.port)
+            # Oversubscribed cores are ruinous for CPU decode; the engine gets exactly its thread budget.
+            env |= {name: str(cpu_engine_num_threads(self.args)) for name in THREAD_ENV_VARS}
+            return [sys.executable, "-m", "slime.backends.cpu_engine", *server_args], env
+        server_args = build_sglang_server_args(
+            self.args,
+            model_path=self.model_path,
+            host=self.host,
+            port=self.port,
+            tp_size=getattr(self.args, "rollout_num_gpus_per_engine", 1),
+            base_gpu_id=self.base_gpu_id,
+            nccl_port=find_free_port(self.host, exclude={self.port}),
+            dist_init_addr=self.dist_init_addr,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+        )
+        return [sys.executable, "-m", "sglang.launch_server", *server_args], env
+
+    def is_alive(self) -> bool:
+        """True while the server process runs (it may still be loading; see `health()`)."""
+        return self.process is not None and self.process.poll() is None
+
+    def shutdown(self) -> None:
+        """Stop the server and every process it started. Safe to call more than once."""
+        if self.process is not None:
+            stop_server_process(self.process)

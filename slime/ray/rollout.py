@@ -1,0 +1,284 @@
+"""RolloutManager: the Ray actor that owns the router, the engines, the data source and the rollout function.
+
+`generate(rollout_id)` runs the rollout function, turns its samples into the train data dict,
+splits it across data-parallel ranks and returns one object ref per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from slime.backends.sglang_utils.engine_actor import RolloutEngine
+from slime.ray.placement_group import PlacementSlice
+from slime.ray.router import add_worker, start_router, wait_for_workers
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.rollout.data_source import compute_num_rollout
+from slime.utils.misc import load_function
+from slime.utils.ppo_utils import normalize_group_rewards
+from slime.utils.seqlen_balancing import balanced_partitions
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+GROUP_NORMALIZED_ESTIMATORS = ("grpo", "gspo", "cispo")
+
+
+@dataclass
+class RolloutBatch:
+    """What `generate` hands the driver: one data ref per DP rank plus the rollout's metrics."""
+
+    rollout_id: int
+    data_refs: list[Any]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
+    """Flatten samples into the train data dict; rewards are normalized per the advantage estimator.
+
+    Args:
+        args: Parsed arguments (`advantage_estimator`, `n_samples_per_prompt`, `reward_key`, ...).
+        samples: Samples in group order (`n_samples_per_prompt` consecutive samples per prompt).
+
+    Returns:
+        dict with tokens, response_lengths, rewards, raw_reward, truncated, loss_masks,
+        rollout_log_probs (when every sample has them) and sample_indices.
+    """
+    if args.custom_reward_post_process_path:
+        raw_rewards, rewards = load_function(args.custom_reward_post_process_path)(args, samples)
+    else:
+        raw_rewards = [s.get_reward_value(args.reward_key) for s in samples]
+        rewards = list(raw_rewards)
+        estimator = args.advantage_estimator
+        if not args.disable_rewards_normalization and estimator in (*GROUP_NORMALIZED_ESTIMATORS, "reinforce_plus_plus_baseline"):
+            std_normalization = estimator in GROUP_NORMALIZED_ESTIMATORS and not args.disable_grpo_std_normalization
+            rewards = normalize_group_rewards(
+                torch.tensor(raw_rewards, dtype=torch.float32), args.n_samples_per_prompt, std_normalization
+            ).tolist()
+
+    data: dict[str, list] = {
+        "tokens": [s.tokens for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "rewards": rewards,
+        "raw_reward": raw_rewards,
+        "truncated": [int(s.status == Status.TRUNCATED) for s in samples],
+        "loss_masks": [s.loss_mask if s.loss_mask is not None else [1] * s.response_length for s in samples],
+        "sample_indices": [s.index for s in samples],
+    }
+    for s, mask in zip(samples, data["loss_masks"], strict=True):
+        if len(mask) != s.response_length:
+            raise ValueError(f"sample {s.index}: loss_mask has {len(mask)} entries for {s.response_length} response tokens")
+    if all(s.rollout_log_probs is not None for s in samples):
+        data["rollout_log_probs"] = [s.rollout_log_probs for s in samples]
+    return data
+
+
+def split_train_data_by_dp(args, data: dict[str, list], dp_size: int) -> list[dict[str, Any]]:
+    """Give each data-parallel rank its share of every optimizer step's global batch.
+
+    The rollout holds `num_steps_per_rollout` global batches back to back; within each, samples
+    go to ranks round-robin, or token-balanced with `--balance-data`.
+    """
+    num_samples = len(data["tokens"])
+    global_batch_size = args.global_batch_size
+    if num_samples % global_batch_size or global_batch_size % dp_size:
+        raise ValueError(
+            f"{num_samples} samples do not split into global batches of --global-batch-size {global_batch_size} "
+            f"over {dp_size} data-parallel ranks"
+        )
+    rank_indices: list[list[int]] = [[] for _ in range(dp_size)]
+    for start in range(0, num_samples, global_batch_size):
+        step = list(range(start, start + global_batch_size))
+        if args.balance_data:
+            lengths = [len(data["tokens"][i]) for i in step]
+            parts = [[step[j] for j in part] for part in balanced_partitions(lengths, dp_size)]
+        else:
+            parts = [step[r::dp_size] for r in range(dp_size)]
+        for r in range(dp_size):
+            rank_indices[r].extend(parts[r])
+    per_rank = []
+    for indices in rank_indices:
+        shard = {key: [values[i] for i in indices] for key, values in data.items()}
+        shard["num_steps"] = num_samples // global_batch_size
+        shard["total_response_tokens"] = sum(data["response_lengths"])
+        per_rank.append(shard)
+    return per_rank
+
+
+def rollout_metrics(samples: list[Sample], reward_key: str | None, elapsed: float) -> dict[str, float]:
+    """Reward, length, truncation and throughput figures of one rollout."""
+    rewards = [s.get_reward_value(reward_key) for s in samples]
+    lengths = [s.response_length for s in samples]
+    n = max(len(samples), 1)
+    return {
+        "rollout/reward": sum(rewards) / n,
+        "rollout/response_length": sum(lengths) / n,
+        "rollout/response_length_max": float(max(lengths, default=0)),
+        "rollout/truncated": sum(s.status == Status.TRUNCATED for s in samples) / n,
+        "rollout/time": elapsed,
+        "rollout/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
+    }
+
+
+class RolloutManager:
+    """Owns router, engines, data source and rollout function. Created as a Ray actor by `create_rollout_manager`."""
+
+    def __init__(self, args, rollout_slice: PlacementSlice):
+        self.args = args
+        self.router = None
+        self.engines: list = []
+        self.engine_urls: list[str] = []
+        if not args.debug_train_only:
+            self._start_engines(rollout_slice)
+        self.data_source = load_function(args.data_source_path)(args)
+        if args.num_rollout is None:
+            args.num_rollout = compute_num_rollout(args, len(self.data_source))
+        self.rollout_fn = load_function(args.rollout_function_path)
+        self.eval_fn = load_function(args.eval_function_path)
+
+    # ---- engines -------------------------------------------------------------------------
+    def _start_engines(self, rollout_slice: PlacementSlice) -> None:
+        args = self.args
+        self.router = start_router(args)
+        args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
+        per_engine = args.rollout_num_gpus_per_engine
+        num_engines = max(1, len(rollout_slice) // per_engine)
+        engine_cls = ray.remote(RolloutEngine)
+        colocated_share = 0.2 if args.colocate else 1.0
+        for rank in range(num_engines):
+            resources = (
+                {"num_gpus": colocated_share, "num_cpus": colocated_share}
+                if rollout_slice.use_gpu
+                else {"num_cpus": colocated_share}
+            )
+            options = dict(resources, scheduling_strategy=rollout_slice.strategy(rank * per_engine)) if rollout_slice.pg else resources
+            self.engines.append(engine_cls.options(**options).remote(args, rank, backend=args.rollout_backend))
+        ray.get([engine.start.remote(timeout=args.rollout_engine_start_timeout) for engine in self.engines])
+        self.engine_urls = ray.get([engine.url.remote() for engine in self.engines])
+        for url in self.engine_urls:
+            add_worker(self.router.url, url)
+        wait_for_workers(self.router.url, self.engine_urls, timeout=args.rollout_engine_start_timeout)
+        args.rollout_engine_urls = self.engine_urls
+        logger.info("router %s with engines %s", self.router.url, self.engine_urls)
+
+    def get_engines(self) -> list:
+        return self.engines
+
+    def get_engine_urls(self) -> list[str]:
+        return self.engine_urls
+
+    def get_num_rollout(self) -> tuple[int, int]:
+        """(total rollouts of the run, rollouts per epoch); `--num-epoch` resolves against the dataset size."""
+        per_epoch = max(len(self.data_source) // self.args.rollout_batch_size, 1)
+        return self.args.num_rollout, per_epoch
+
+    def dead_engines(self) -> list[str]:
+        """URLs of engines whose server process is no longer alive."""
+        dead = []
+        for engine, url in zip(self.engines, self.engine_urls, strict=True):
+            try:
+                alive = ray.get(engine.is_alive.remote(), timeout=30)
+            except Exception:  # the actor itself is gone
+                alive = False
+            if not alive:
+                dead.append(url)
+        return dead
+
+    def _call_rollout_fn(self, fn, rollout_id: int, evaluation: bool):
+        try:
+            return fn(self.args, rollout_id, self.data_source, evaluation=evaluation)
+        except Exception as e:
+            dead = self.dead_engines() if self.engines else []
+            if dead:
+                raise RuntimeError(
+                    f"rollout {rollout_id} failed: inference engine(s) {dead} died ({type(e).__name__}: {e}). "
+                    "Check the engine logs; restart the run from the last checkpoint with --load."
+                ) from e
+            raise
+
+    # ---- rollout -------------------------------------------------------------------------
+    def generate(self, rollout_id: int, dp_size: int = 1) -> RolloutBatch:
+        """Run one training rollout and return per-rank train data refs and metrics."""
+        started = time.time()
+        if self.args.load_debug_rollout_data:
+            samples, extra_metrics = self._load_debug_rollout_data(rollout_id), {}
+        else:
+            output = self._call_rollout_fn(self.rollout_fn, rollout_id, evaluation=False)
+            if isinstance(output, RolloutFnTrainOutput):
+                groups, extra_metrics = output.samples, output.metrics
+            else:
+                groups, extra_metrics = output, {}
+            samples = [s for group in groups for s in (group if isinstance(group, list) else [group])]
+        elapsed = time.time() - started
+        if self.args.save_debug_rollout_data:
+            self._save_debug_rollout_data(rollout_id, samples)
+
+        metrics = {**rollout_metrics(samples, self.args.reward_key, elapsed), **extra_metrics}
+        if self.args.debug_rollout_only:
+            return RolloutBatch(rollout_id, [], metrics)
+        data = samples_to_train_data(self.args, samples)
+        shards = split_train_data_by_dp(self.args, data, dp_size)
+        return RolloutBatch(rollout_id, [ray.put(shard) for shard in shards], metrics)
+
+    def eval(self, rollout_id: int) -> dict[str, float]:
+        """Run every eval set; returns `eval/<name>` mean reward and truncation rate."""
+        if not self.args.eval_prompt_data:
+            return {}
+        output = self._call_rollout_fn(self.eval_fn, rollout_id, evaluation=True)
+        data = output.data if isinstance(output, RolloutFnEvalOutput) else output
+        metrics = dict(output.metrics) if isinstance(output, RolloutFnEvalOutput) else {}
+        for name, result in data.items():
+            rewards = result["rewards"]
+            metrics[f"eval/{name}"] = sum(rewards) / max(len(rewards), 1)
+            metrics[f"eval/{name}/truncated"] = sum(result["truncated"]) / max(len(rewards), 1)
+        return metrics
+
+    # ---- debug data ----------------------------------------------------------------------
+    def _save_debug_rollout_data(self, rollout_id: int, samples: list[Sample]) -> None:
+        path = self.args.save_debug_rollout_data.format(rollout_id=rollout_id)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
+        logger.info("saved rollout %d samples to %s", rollout_id, path)
+
+    def _load_debug_rollout_data(self, rollout_id: int) -> list[Sample]:
+        path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--load-debug-rollout-data: no file {path} for rollout {rollout_id}")
+        return [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
+
+    # ---- checkpoint & memory -------------------------------------------------------------
+    def save(self, rollout_id: int) -> None:
+        self.data_source.save(rollout_id)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        self.data_source.load(rollout_id)
+
+    def offload(self) -> None:
+        ray.get([engine.release_memory_occupation.remote() for engine in self.engines])
+
+    def onload(self) -> None:
+        ray.get([engine.resume_memory_occupation.remote() for engine in self.engines])
+
+    def dispose(self) -> None:
+        """Stop engines and router; leaves no process behind."""
+        if self.engines:
+            ray.get([engine.shutdown.remote() for engine in self.engines])
+            for engine in self.engines:
+                ray.kill(engine)
+            self.engines = []
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+
+
+def create_rollout_manager(args, rollout_slice: PlacementSlice):
+    """Start the RolloutManager actor (it uses no bundle itself) and wait until its engines are up."""
+    manager = ray.remote(num_cpus=0)(RolloutManager).remote(args, rollout_slice)
+    ray.get(manager.get_engine_urls.remote())
+    return manager

@@ -1,0 +1,303 @@
+"""The default rollout: send prompts through the router, score the responses, return sample groups.
+
+    generate_rollout(args, rollout_id, data_source, evaluation=False)
+
+Train: takes prompt groups from the data source (over-sampling when a dynamic filter is set),
+generates `n_samples_per_prompt` responses per prompt with at most `--sglang-server-concurrency`
+requests in flight per engine, scores them, and stops once `--rollout-batch-size` groups are kept.
+Requests still running then are aborted and their groups go back to the data source (with their
+partial responses under `--partial-rollout`).
+
+Eval: every `--eval-prompt-data` set, `--n-samples-per-eval-prompt` responses per prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.utils.async_utils import run
+from slime.utils.data import Dataset, load_dataset
+from slime.utils.misc import load_function, maybe_await
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutState:
+    """What one process keeps between rollouts: tokenizer, HTTP session, concurrency cap, eval sets."""
+
+    def __init__(self, args):
+        self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        num_engines = max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+        self.max_concurrency = args.sglang_server_concurrency * num_engines
+        self.semaphore: asyncio.Semaphore | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.custom_generate = (
+            load_function(args.custom_generate_function_path) if args.custom_generate_function_path else None
+        )
+        self.dynamic_filter = (
+            load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
+        )
+        self.eval_datasets: dict[str, Dataset] = {}
+
+    async def ensure_started(self, args) -> None:
+        # Created lazily on the shared loop: aiohttp sessions and semaphores belong to one loop.
+        if self.session is None:
+            self.semaphore = asyncio.Semaphore(self.max_concurrency)
+            timeout = aiohttp.ClientTimeout(total=args.sglang_router_request_timeout_secs)
+            connector = aiohttp.TCPConnector(limit=self.max_concurrency)
+            self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+
+
+_STATE: RolloutState | None = None
+
+
+def get_state(args) -> RolloutState:
+    global _STATE
+    if _STATE is None:
+        _STATE = RolloutState(args)
+    return _STATE
+
+
+def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
+    """SGLang sampling params from the `--rollout-*` flags (the `--eval-*` ones override them in eval)."""
+
+    def pick(eval_name: str, rollout_value):
+        value = getattr(args, eval_name, None) if evaluation else None
+        return rollout_value if value is None else value
+
+    params = {
+        "temperature": pick("eval_temperature", args.rollout_temperature),
+        "top_p": pick("eval_top_p", args.rollout_top_p),
+        "top_k": pick("eval_top_k", args.rollout_top_k),
+        "max_new_tokens": pick("eval_max_response_len", args.rollout_max_response_len),
+        "skip_special_tokens": args.rollout_skip_special_tokens,
+        "no_stop_trim": True,
+    }
+    if evaluation and getattr(args, "eval_min_new_tokens", None):
+        params["min_new_tokens"] = args.eval_min_new_tokens
+    if args.rollout_stop:
+        params["stop"] = args.rollout_stop
+    if args.rollout_stop_token_ids:
+        params["stop_token_ids"] = args.rollout_stop_token_ids
+    return params
+
+
+def _prompt_token_ids(tokenizer, prompt: str | list[dict[str, Any]]) -> list[int]:
+    if isinstance(prompt, list):
+        # Chat messages that were not templated by the data source: template them now.
+        prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Generate (or, for a partial rollout, continue) one response through the router."""
+    state = get_state(args)
+    params = dict(sampling_params)
+    if sample.response_length == 0:
+        sample.tokens = _prompt_token_ids(state.tokenizer, sample.prompt)
+    else:
+        params["max_new_tokens"] -= sample.response_length
+        if args.mask_offpolicy_in_partial_rollout and sample.loss_mask:
+            sample.loss_mask = [0] * len(sample.loss_mask)
+    if params["max_new_tokens"] <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
+    async with state.session.post(url, json=payload) as response:
+        if response.status != 200:
+            body = await response.text()
+            raise RuntimeError(f"router {url} answered HTTP {response.status} for sample {sample.index}: {body[:500]}")
+        output = await response.json()
+
+    meta = output["meta_info"]
+    token_logprobs = meta.get("output_token_logprobs") or []
+    new_tokens = [token_id for _, token_id, _ in token_logprobs] or output.get("output_ids", [])
+    log_probs = [log_prob for log_prob, _, _ in token_logprobs] or None
+    sample.append_response(new_tokens, output["text"], log_probs)
+    sample.weight_versions.append(str(meta.get("weight_version", "")))
+    sample.status = Status.from_finish_reason(meta["finish_reason"]["type"])
+    return sample
+
+
+async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False):
+    """Generate one response and, unless rewards are per group, score it. May return several samples."""
+    state = get_state(args)
+    async with state.semaphore:
+        if state.custom_generate is not None:
+            result = await maybe_await(state.custom_generate(args, sample, sampling_params))
+        else:
+            result = await generate(args, sample, sampling_params)
+    samples = result if isinstance(result, list) else [result]
+    if not args.group_rm:
+        for s in samples:
+            if s.status != Status.ABORTED and s.reward is None:
+                s.reward = await async_rm(args, s)
+    return result
+
+
+async def generate_and_rm_group(
+    args, group: list[Sample], sampling_params: dict[str, Any], evaluation: bool = False
+) -> list[Sample]:
+    """Generate every response of one prompt group concurrently, then score (per group with `--group-rm`)."""
+    results = await asyncio.gather(*(generate_and_rm(args, s, sampling_params, evaluation) for s in group))
+    samples = [s for r in results for s in (r if isinstance(r, list) else [r])]
+    if args.group_rm and not any(s.status == Status.ABORTED for s in samples):
+        for s, reward in zip(samples, await batched_async_rm(args, samples), strict=True):
+            s.reward = reward
+    return samples
+
+
+async def abort_engines(args, state: RolloutState) -> None:
+    """Ask every engine to abort all its requests (the router does not forward /abort_request)."""
+    for url in getattr(args, "rollout_engine_urls", []):
+        async with state.session.post(f"{url}/abort_request", json={"abort_all": True}) as response:
+            if response.status != 200:
+                logger.warning("abort_request on %s answered HTTP %d", url, response.status)
+
+
+def _return_to_data_source(args, groups: list[list[Sample]], data_source) -> int:
+    """Put unfinished groups back so their prompts are not lost; keep partial responses under --partial-rollout."""
+    returned = []
+    for group in groups:
+        if args.partial_rollout:
+            for s in group:
+                s.status, s.reward = Status.PENDING, None
+            returned.append(group)
+        else:
+            fresh = []
+            for s in group:
+                reset = copy.copy(s)
+                reset.tokens, reset.response, reset.response_length = [], "", 0
+                reset.loss_mask = reset.rollout_log_probs = None
+                reset.weight_versions, reset.reward, reset.status = [], None, Status.PENDING
+                fresh.append(reset)
+            returned.append(fresh)
+    if returned:
+        data_source.add_samples(returned)
+    return len(returned)
+
+
+async def _generate_train_rollout(args, rollout_id: int, data_source) -> RolloutFnTrainOutput:
+    state = get_state(args)
+    await state.ensure_started(args)
+    target = args.rollout_batch_size
+    fetch_size = args.over_sampling_batch_size or target
+    sampling_params = sampling_params_from_args(args)
+
+    kept: list[list[Sample]] = []
+    pending: set[asyncio.Task] = set()
+    num_dropped = 0
+    started = time.time()
+    progress = tqdm(total=target, desc=f"rollout {rollout_id}", unit="group", leave=False)
+    try:
+        while len(kept) < target:
+            if len(kept) + len(pending) < target:
+                for group in data_source.get_samples(fetch_size):
+                    for s in group:
+                        s.rollout_id = rollout_id
+                    pending.add(asyncio.create_task(generate_and_rm_group(args, group, sampling_params)))
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                group = task.result()
+                if len(kept) >= target:
+                    continue
+                if state.dynamic_filter is not None:
+                    verdict = state.dynamic_filter(args, group)
+                    if not (verdict if isinstance(verdict, bool) else verdict.keep):
+                        num_dropped += 1
+                        continue
+                kept.append(group)
+                progress.update(1)
+    finally:
+        progress.close()
+        leftover = []
+        if pending:
+            await abort_engines(args, state)
+            for result in await asyncio.gather(*pending, return_exceptions=True):
+                if isinstance(result, list):
+                    leftover.append(result)
+        num_returned = _return_to_data_source(args, leftover, data_source)
+
+    kept.sort(key=lambda g: g[0].group_index if g[0].group_index is not None else 0)
+    metrics = {
+        "rollout/dropped_groups": float(num_dropped),
+        "rollout/returned_groups": float(num_returned),
+        "rollout/generate_time": time.time() - started,
+    }
+    return RolloutFnTrainOutput(samples=kept, metrics=metrics)
+
+
+def _eval_dataset(args, state: RolloutState, name: str, path: str) -> Dataset:
+    if name not in state.eval_datasets:
+        state.eval_datasets[name] = load_dataset(
+            path,
+            args,
+            tokenizer=state.tokenizer,
+            flag=f"--eval-prompt-data {name}",
+            input_key=args.eval_input_key or args.input_key,
+            label_key=args.eval_label_key or args.label_key,
+            tool_key=args.eval_tool_key or args.tool_key,
+            max_prompt_len=args.eval_max_prompt_len or args.rollout_max_prompt_len,
+        )
+    return state.eval_datasets[name]
+
+
+async def _generate_eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
+    state = get_state(args)
+    await state.ensure_started(args)
+    sampling_params = sampling_params_from_args(args, evaluation=True)
+    data: dict[str, dict[str, Any]] = {}
+    for name, path in args.eval_prompt_data or []:
+        dataset = _eval_dataset(args, state, name, path)
+        samples = []
+        for prompt_index, prompt_sample in enumerate(dataset.samples):
+            for k in range(args.n_samples_per_eval_prompt):
+                s = copy.deepcopy(prompt_sample)
+                s.index, s.group_index, s.rollout_id = prompt_index * args.n_samples_per_eval_prompt + k, prompt_index, rollout_id
+                samples.append(s)
+        tasks = [generate_and_rm(args, s, sampling_params, evaluation=True) for s in samples]
+        results = []
+        for result in tqdm(asyncio.as_completed(tasks), total=len(tasks), desc=f"eval {name}", leave=False):
+            output = await result
+            results.extend(output if isinstance(output, list) else [output])
+        if args.group_rm:
+            for s, reward in zip(results, await batched_async_rm(args, results), strict=True):
+                s.reward = reward
+        results.sort(key=lambda s: s.index)
+        reward_key = args.eval_reward_key or args.reward_key
+        data[name] = {
+            "rewards": [s.get_reward_value(reward_key) for s in results],
+            "truncated": [s.status == Status.TRUNCATED for s in results],
+            "samples": results,
+        }
+    return RolloutFnEvalOutput(data=data)
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
+    """Default `--rollout-function-path`.
+
+    Args:
+        args: Parsed slime arguments; the rollout manager sets `sglang_router_ip/port` and `rollout_engine_urls`.
+        rollout_id: The rollout step.
+        data_source: Source of prompt groups (`get_samples`, `add_samples`).
+        evaluation: Run the eval sets instead of a training rollout.
+
+    Returns:
+        `RolloutFnTrainOutput` (groups of samples, one per prompt) or `RolloutFnEvalOutput`.
+    """
+    if evaluation:
+        return run(_generate_eval_rollout(args, rollout_id))
+    return run(_generate_train_rollout(args, rollout_id, data_source))

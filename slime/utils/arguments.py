@@ -1,0 +1,1323 @@
+"""slime's command line: one parser for three kinds of flags.
+
+1. Megatron flags (`--tensor-model-parallel-size`, `--lr`, `--num-layers`, ...).
+   With `--train-backend megatron` and Megatron-LM's `megatron.training` importable, Megatron's
+   own parser reads them and every Megatron flag passes through untouched; slime only changes a few
+   defaults (see `MEGATRON_DEFAULT_OVERRIDES`). Otherwise slime registers the subset of Megatron
+   flags it reads itself, under Megatron's names. Under `--train-backend fsdp` any other flag is an
+   error (so typos are caught). Under `--train-backend megatron` without `megatron.training` (the
+   pip wheel of megatron-core ships only `megatron.core`), unknown flags such as the model flags of
+   `scripts/models/*.sh` are kept as typed values (`args.num_layers == 28`) and listed in
+   `args.megatron_passthrough_args`, with a warning, because no Megatron parser exists to check them.
+2. `--sglang-<flag>` goes to every SGLang engine and `--router-<flag>` to sglang-router. With the
+   package installed, each field of its `ServerArgs` / `RouterArgs` is registered with its own type
+   and default, and `args.sglang_server_args` / `args.router_args` hold every registered field.
+   Without it (the CPU case for SGLang) any `--sglang-xxx [values]` is accepted: a bare flag is True,
+   one value is typed (int, float, true/false, JSON list/object, else str), several values make a
+   list; the dicts then hold only the flags given. Each value is also `args.sglang_<field>` /
+   `args.router_<field>`. slime's own `--sglang-router-ip`, `--sglang-router-port`,
+   `--sglang-router-request-timeout-secs`, `--sglang-server-concurrency` and `--sglang-config` are
+   never forwarded.
+3. slime's own flags, grouped as in `--help`.
+
+Errors: a malformed command line (unknown flag, bad choice, bad JSON, odd `--eval-prompt-data`
+count) exits through argparse with status 2. A well-formed but inconsistent one (checked by
+`validate_args`) raises `ArgumentValidationError`, whose message names the flags and the fix.
+
+On a machine without CUDA the defaults switch to `--train-backend fsdp --rollout-backend cpu`,
+one trainer process (`--actor-num-gpus-per-node 1`), one "GPU" per node and one rollout engine.
+There a "GPU" in the `*-num-gpus*` flags is one CPU slot: trainer processes for the actor, engine
+slots for rollout, so the number of CPU engines is
+`--rollout-num-gpus / --rollout-num-gpus-per-engine`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import importlib
+import json
+import logging
+import os
+import re
+import sys
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROLLOUT_FUNCTION_PATH = "slime.rollout.sglang_rollout.generate_rollout"
+DEFAULT_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
+
+ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+KL_LOSS_TYPES = ["k1", "k2", "k3", "low_var_kl"]
+LOSS_TYPES = ["policy_loss", "sft_loss", "custom_loss"]
+
+# slime changes these Megatron defaults; the same values are the defaults of the fallback subset.
+MEGATRON_DEFAULT_OVERRIDES: dict[str, Any] = {
+    "lr": 1e-6,
+    "lr_decay_style": "constant",
+    "micro_batch_size": 1,
+    "eval_interval": None,
+    "seed": 1234,
+    "clip_grad": 1.0,
+    "distributed_timeout_minutes": 10,
+}
+
+# ServerArgs fields slime sets itself for each engine, and the flag that controls each instead.
+SGLANG_MANAGED_FIELDS: dict[str, str] = {
+    "model_path": "--hf-checkpoint",
+    "tp_size": "--rollout-num-gpus-per-engine",
+    "port": "nothing (slime picks a free port per engine)",
+    "host": "nothing (slime binds each engine itself)",
+    "nnodes": "--rollout-num-gpus-per-engine (slime spans nodes itself)",
+    "node_rank": "nothing (slime assigns ranks)",
+    "dist_init_addr": "nothing (slime assigns addresses)",
+    "base_gpu_id": "nothing (slime places engines on GPUs)",
+    "gpu_id_step": "nothing (slime places engines on GPUs)",
+    "nccl_port": "nothing (slime picks a free port)",
+    "enable_memory_saver": "--offload-rollout",
+    "skip_server_warmup": "nothing (slime decides)",
+}
+# RouterArgs fields slime sets itself.
+ROUTER_MANAGED_FIELDS: dict[str, str] = {
+    "host": "--sglang-router-ip",
+    "port": "--sglang-router-port",
+}
+# slime's own --sglang-<name> flags; a ServerArgs field of the same name is not forwarded.
+SLIME_SGLANG_FLAG_NAMES = {"server_concurrency", "router_ip", "router_port", "router_request_timeout_secs", "config"}
+_SGLANG_EXCLUDED = set(SGLANG_MANAGED_FIELDS) | SLIME_SGLANG_FLAG_NAMES
+_ROUTER_EXCLUDED = set(ROUTER_MANAGED_FIELDS)
+
+_INT_PATTERN = re.compile(r"[-+]?\d+")
+_FLOAT_PATTERN = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+class ArgumentValidationError(ValueError):
+    """A combination of flags that cannot work; the message names the flags and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Small argparse helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse `type=` for flags that take a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"key\": 1}}', got {text!r} ({e})") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"key\": 1}}', got {type(value).__name__}")
+    return value
+
+
+class _NamePathPairs(argparse.Action):
+    """`--flag name path [name path ...]`, repeatable; collects `[(name, path), ...]`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if len(values) % 2:
+            parser.error(
+                f"{option_string} takes name/path pairs but got {len(values)} values {values}; "
+                f"write e.g. {option_string} gsm8k /data/gsm8k.jsonl aime /data/aime.jsonl"
+            )
+        pairs = list(getattr(namespace, self.dest) or [])
+        pairs.extend(zip(values[0::2], values[1::2]))
+        setattr(namespace, self.dest, pairs)
+
+
+def _typed_value(text: str) -> Any:
+    """Best-effort type for a value of a flag nobody registered: int, float, bool, JSON, else str."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if _INT_PATTERN.fullmatch(text):
+        return int(text)
+    if _FLOAT_PATTERN.fullmatch(text):
+        return float(text)
+    if text[:1] in ("[", "{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    return text
+
+
+def _is_flag(token: str) -> bool:
+    # "-1" or "-0.5" is a value, not a flag.
+    return token.startswith("-") and not _FLOAT_PATTERN.fullmatch(token)
+
+
+def _extract_unknown_flags(argv: list[str], known: set[str], prefix: str) -> tuple[list[str], dict[str, Any]]:
+    """Pull out `prefix*` flags the parser does not know, with their values.
+
+    Every non-flag token right after an unknown flag is its value (slime has no positional
+    arguments, so nothing else could own it).
+
+    Args:
+        argv: command line without the program name.
+        known: option strings the parser registers.
+        prefix: only unknown flags starting with this are taken, e.g. "--sglang-" or "--".
+
+    Returns:
+        (the rest of argv in order, {flag as written, e.g. "--sglang-log-level": typed value}).
+    """
+    rest: list[str] = []
+    found: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag, has_inline, inline_value = token.partition("=")
+        if len(flag) <= len(prefix) or not flag.startswith(prefix) or flag in known:
+            rest.append(token)
+            i += 1
+            continue
+        values = [inline_value] if has_inline else []
+        i += 1
+        while not has_inline and i < len(argv) and not _is_flag(argv[i]):
+            values.append(argv[i])
+            i += 1
+        if not values:
+            found[flag] = True
+        elif len(values) == 1:
+            found[flag] = _typed_value(values[0])
+        else:
+            found[flag] = [_typed_value(v) for v in values]
+    return rest, found
+
+
+def _field_name(flag: str, prefix: str) -> str:
+    """ "--sglang-mem-fraction-static" with prefix "--sglang-" -> "mem_fraction_static"."""
+    return flag[len(prefix) :].replace("-", "_")
+
+
+def _copy_prefixed_actions(actions: list[argparse.Action], group: argparse._ArgumentGroup, flag_prefix: str) -> None:
+    """Re-register each `--x` option as `--{flag_prefix}x` with dest `{flag_prefix}x` (dashes as "_").
+
+    Type, default, nargs, choices and action class stay the package's own.
+    """
+    dest_prefix = flag_prefix.replace("-", "_")
+    for action in actions:
+        prefixed = copy.copy(action)
+        prefixed.option_strings = [f"--{flag_prefix}{opt[2:]}" for opt in action.option_strings if opt.startswith("--")]
+        prefixed.dest = dest_prefix + action.dest
+        group._add_action(prefixed)
+
+
+@functools.cache
+def _sglang_source_parser() -> argparse.ArgumentParser | None:
+    """SGLang's own server parser, or None when sglang is not installed."""
+    try:
+        server_args = importlib.import_module("sglang.srt.server_args")
+    except ImportError:
+        return None
+    except Exception as e:  # installed but broken here (e.g. CUDA libraries missing)
+        logger.warning("sglang is installed but cannot be imported (%s); --sglang-* flags are parsed generically.", e)
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
+    server_args.ServerArgs.add_cli_args(parser)
+    fields = {f.name for f in dataclasses.fields(server_args.ServerArgs)}
+    # Keep only dataclass fields: those are what an engine's ServerArgs can take.
+    parser._actions = [a for a in parser._actions if a.dest in fields]
+    return parser
+
+
+@functools.cache
+def _router_source_parser() -> argparse.ArgumentParser | None:
+    """sglang-router's own parser (without host/port), or None when it is not installed."""
+    try:
+        router_args = importlib.import_module("sglang_router.router_args")
+    except ImportError:
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
+    router_args.RouterArgs.add_cli_args(parser, use_router_prefix=False, exclude_host_port=True)
+    return parser
+
+
+def _forwarded_actions(source: argparse.ArgumentParser | None, excluded: set[str]) -> list[argparse.Action]:
+    """The options of a package's parser that slime registers under a prefix."""
+    if source is None:
+        return []
+    return [
+        action
+        for action in source._actions
+        if not isinstance(action, argparse._HelpAction)
+        and any(opt.startswith("--") for opt in action.option_strings)
+        and action.dest not in excluded
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# slime's own flags
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser, cuda: bool) -> None:
+    group = parser.add_argument_group("cluster")
+    group.add_argument(
+        "--train-backend",
+        choices=["megatron", "fsdp"],
+        default="megatron" if cuda else "fsdp",
+        help="Training backend (default: megatron with CUDA, fsdp without).",
+    )
+    group.add_argument(
+        "--rollout-backend",
+        choices=["sglang", "cpu"],
+        default="sglang" if cuda else "cpu",
+        help="Inference engines: SGLang servers, or slime's CPU engine that speaks the same HTTP API "
+        "(default: sglang with CUDA, cpu without).",
+    )
+    group.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes for the actor (and critic).")
+    group.add_argument(
+        "--actor-num-gpus-per-node",
+        type=int,
+        default=8 if cuda else 1,
+        help="Trainer processes per node, one per GPU; without CUDA each is a CPU rank "
+        "(default: 8 with CUDA, 1 without).",
+    )
+    group.add_argument(
+        "--rollout-num-gpus",
+        type=int,
+        default=None,
+        help="GPUs for all rollout engines. Set automatically under --colocate; without CUDA a 'GPU' is one CPU "
+        "engine slot and the default is 1. Engines = rollout-num-gpus / rollout-num-gpus-per-engine.",
+    )
+    group.add_argument(
+        "--rollout-num-gpus-per-engine",
+        type=int,
+        default=1,
+        help="GPUs per engine (its tensor-parallel size); keep 1 with --rollout-backend cpu.",
+    )
+    group.add_argument(
+        "--num-gpus-per-node",
+        type=int,
+        default=8 if cuda else 1,
+        help="GPUs per node, used to place engines that span nodes (default: 8 with CUDA, 1 without).",
+    )
+    group.add_argument(
+        "--colocate",
+        action="store_true",
+        help="Train and generate on the same GPUs, taking turns; turns on both offloads unless --no-offload-*.",
+    )
+    group.add_argument("--offload", action="store_true", help="Shorthand for --offload-train --offload-rollout.")
+    group.add_argument(
+        "--offload-train",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Release the trainer's GPU memory while engines generate (default: on with --colocate or ppo).",
+    )
+    group.add_argument(
+        "--offload-rollout",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Release the engines' GPU memory while training (default: on with --colocate).",
+    )
+    group.add_argument(
+        "--prefill-num-servers",
+        type=int,
+        default=None,
+        help="Prefill servers for prefill/decode disaggregation (SGLang only).",
+    )
+
+
+def _add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "CPU budgets", "Threads per process. On a CPU machine keep the total at or below the core count."
+    )
+    group.add_argument(
+        "--train-num-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in each trainer process (on GPU only CPU-side ops use them).",
+    )
+    group.add_argument(
+        "--cpu-engine-num-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in each CPU rollout engine (--rollout-backend cpu).",
+    )
+    group.add_argument(
+        "--cpu-engine-max-running-requests",
+        type=int,
+        default=32,
+        help="Requests a CPU rollout engine decodes together in one batch.",
+    )
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("train and weight sync")
+    group.add_argument(
+        "--train-env-vars",
+        type=_json_object,
+        default={},
+        help='Extra environment variables for the trainer processes, as JSON: \'{"NCCL_DEBUG": "INFO"}\'.',
+    )
+    group.add_argument(
+        "--update-weight-mode",
+        choices=["full", "delta"],
+        default="full",
+        help="Push all weights, or only xor-encoded changes (delta needs --update-weight-transport disk).",
+    )
+    group.add_argument(
+        "--update-weight-transport",
+        choices=["nccl", "disk"],
+        default="nccl",
+        help="Disaggregated weight push: a collective broadcast from trainer to engines (gloo on CPU), "
+        "or HF safetensors written to --update-weight-disk-dir.",
+    )
+    group.add_argument("--update-weight-disk-dir", default=None, help="Shared directory for disk weight sync.")
+    group.add_argument(
+        "--update-weight-disk-keep-files", action="store_true", help="Keep the files of each disk weight sync."
+    )
+    group.add_argument("--update-weight-delta-encoding", choices=["xor"], default="xor", help="Delta encoding.")
+    group.add_argument("--update-weight-delta-checksum", default="xxh3-128", help="Checksum of each delta.")
+    group.add_argument(
+        "--update-weight-local-checkpoint-dir", default=None, help="Engine-local directory delta sync writes to."
+    )
+    group.add_argument(
+        "--update-weight-buffer-size",
+        type=int,
+        default=512 * 1024**2,
+        help="Bytes of parameters sent per weight-update bucket (default: 512 MiB).",
+    )
+    group.add_argument(
+        "--update-weights-interval",
+        type=int,
+        default=1,
+        help="Push weights to the engines every this many rollouts (train_async.py).",
+    )
+    group.add_argument(
+        "--release-train",
+        action="store_true",
+        help="Kill the train actors after each step and recreate them from the checkpoint.",
+    )
+    group.add_argument("--keep-old-actor", action="store_true", help="Keep a copy of the pre-step actor weights.")
+    group.add_argument(
+        "--recompute-loss-function", action="store_true", help="Recompute the loss in backward to save memory."
+    )
+    group.add_argument(
+        "--log-probs-chunk-size", type=int, default=-1, help="Tokens per log-prob chunk; -1 means no chunking."
+    )
+    group.add_argument(
+        "--only-train-params-name-list", nargs="+", default=None, help="Train only parameters matching these names."
+    )
+    group.add_argument("--freeze-params-name-list", nargs="+", default=None, help="Freeze parameters matching these.")
+    group.add_argument("--allgather-cp", action="store_true", help="All-gather context-parallel chunks (DSA models).")
+    group.add_argument("--qwen-gdn-backend", default="fla", help="Kernel backend for Qwen gated delta-net layers.")
+    group.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="FSDP backend: recompute each decoder layer's activations in backward "
+        "(the Megatron backend uses Megatron's --recompute-* flags).",
+    )
+    group.add_argument("--custom-megatron-init-path", default=None, help="f(args), run after Megatron init.")
+    group.add_argument(
+        "--custom-megatron-before-log-prob-hook-path",
+        default=None,
+        help="f(args, model, store_prefix), run before each log-prob pass.",
+    )
+    group.add_argument(
+        "--custom-megatron-before-train-step-hook-path",
+        default=None,
+        help="f(args, rollout_id, step_id, model, optimizer, opt_param_scheduler), run before each step.",
+    )
+    group.add_argument(
+        "--custom-model-provider-path", default=None, help="f(pre_process, post_process, vp_stage) -> model."
+    )
+    group.add_argument(
+        "--custom-update-weight-post-write-path",
+        default=None,
+        help="f(args, version_dir, engines), run after a disk weight sync wrote its files.",
+    )
+
+
+def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("rollout")
+    group.add_argument("--hf-checkpoint", default=None, help="HF model folder: engine weights, tokenizer, config.")
+    group.add_argument("--model-name", default=None, help="Model family for weight-name conversion.")
+    group.add_argument(
+        "--rollout-function-path",
+        default=DEFAULT_ROLLOUT_FUNCTION_PATH,
+        help="generate_rollout(args, rollout_id, data_source, evaluation=False) producing the samples.",
+    )
+    group.add_argument(
+        "--custom-generate-function-path",
+        default=None,
+        help="async generate(args, sample, sampling_params) -> Sample | list[Sample], replacing one generation.",
+    )
+    group.add_argument(
+        "--rollout-sample-hook-path",
+        nargs="+",
+        action="extend",
+        default=None,
+        help="[async] hook(args, sample, *, rollout_id, evaluation) -> Sample | None before reward; repeatable.",
+    )
+    group.add_argument("--rollout-shuffle", action="store_true", help="Shuffle the prompt dataset.")
+    group.add_argument("--rollout-seed", type=int, default=42, help="Seed for shuffling and sampling.")
+    group.add_argument(
+        "--over-sampling-batch-size",
+        type=int,
+        default=None,
+        help="Prompts submitted per round when a dynamic filter may drop groups (default: --rollout-batch-size).",
+    )
+    group.add_argument(
+        "--dynamic-sampling-filter-path",
+        default=None,
+        help="f(args, samples, **kw) -> DynamicFilterOutput | bool, deciding whether a group is kept.",
+    )
+    group.add_argument(
+        "--partial-rollout",
+        action="store_true",
+        help="Keep unfinished generations aborted at the end of a rollout and continue them next time.",
+    )
+    group.add_argument(
+        "--mask-offpolicy-in-partial-rollout",
+        action="store_true",
+        help="Mask the tokens a partial rollout generated with older weights out of the loss.",
+    )
+    group.add_argument(
+        "--rollout-data-transport",
+        choices=["object-store", "nixl"],
+        default="object-store",
+        help="How rollout data reaches the trainers.",
+    )
+    group.add_argument(
+        "--rollout-external-engine-addrs",
+        nargs="+",
+        default=None,
+        help="host:port of engines started outside slime, used instead of launching engines.",
+    )
+    group.add_argument(
+        "--rollout-engine-start-timeout",
+        type=float,
+        default=600.0,
+        help="Seconds an inference engine may take to become healthy before the run fails with its log tail.",
+    )
+    group.add_argument(
+        "--custom-rollout-log-function-path",
+        default=None,
+        help="f(rollout_id, args, samples, extra_metrics, rollout_time) -> bool; True skips default logging.",
+    )
+    group.add_argument(
+        "--custom-eval-rollout-log-function-path",
+        default=None,
+        help="f(rollout_id, args, data, extra_metrics) -> bool; True skips default logging.",
+    )
+    group.add_argument(
+        "--rollout-data-postprocess-path", default=None, help="f(args, rollout_id, rollout_data) on the trainer."
+    )
+
+    sglang = parser.add_argument_group("SGLang and router (slime-level)")
+    sglang.add_argument(
+        "--sglang-server-concurrency",
+        type=int,
+        default=512,
+        help="Requests in flight per engine from the rollout function.",
+    )
+    sglang.add_argument("--sglang-router-ip", default=None, help="Use a router already running at this IP.")
+    sglang.add_argument("--sglang-router-port", type=int, default=None, help="Port of that router.")
+    sglang.add_argument(
+        "--sglang-router-request-timeout-secs",
+        type=int,
+        default=14400,
+        help="Timeout of one request through the router.",
+    )
+    sglang.add_argument(
+        "--sglang-config", default=None, help="YAML describing server groups (prefill/decode/...) with overrides."
+    )
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--rollout-temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
+    group.add_argument("--rollout-top-p", type=float, default=1.0, help="Nucleus sampling threshold.")
+    group.add_argument("--rollout-top-k", type=int, default=-1, help="Top-k sampling; -1 disables it.")
+    group.add_argument("--rollout-max-context-len", type=int, default=None, help="Prompt + response token limit.")
+    group.add_argument("--rollout-max-prompt-len", type=int, default=None, help="Drop prompts longer than this.")
+    group.add_argument("--rollout-max-response-len", type=int, default=None, help="Max new tokens per response.")
+    group.add_argument(
+        "--rollout-skip-special-tokens", action="store_true", help="Strip special tokens from response text."
+    )
+    group.add_argument("--rollout-stop", nargs="+", default=None, help="Stop strings.")
+    group.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None, help="Stop token ids.")
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument("--num-rollout", type=int, default=None, help="Rollout steps to run.")
+    group.add_argument(
+        "--num-epoch",
+        type=int,
+        default=None,
+        help="Epochs over the prompt data; --num-rollout is then derived from the dataset size.",
+    )
+    group.add_argument(
+        "--disable-rollout-global-dataset",
+        dest="rollout_global_dataset",
+        action="store_false",
+        help="Do not load --prompt-data; the rollout function brings its own prompts.",
+    )
+    group.add_argument(
+        "--data-source-path",
+        default=DEFAULT_DATA_SOURCE_PATH,
+        help="Class with get_samples(n), add_samples, save(id), load(id), __len__ feeding the rollout.",
+    )
+    group.add_argument("--prompt-data", default=None, help="Training prompts: .jsonl or .parquet.")
+    group.add_argument("--input-key", default="input", help="Field holding the prompt (text or messages).")
+    group.add_argument("--label-key", default=None, help="Field holding the label for the reward.")
+    group.add_argument("--metadata-key", default="metadata", help="Field holding per-sample metadata.")
+    group.add_argument("--tool-key", default="tools", help="Field holding tool definitions for the chat template.")
+    group.add_argument(
+        "--multimodal-keys",
+        type=_json_object,
+        default=None,
+        help='Multimodal fields as JSON, e.g. \'{"image": "images"}\'.',
+    )
+    group.add_argument("--apply-chat-template", action="store_true", help="Render prompts with the chat template.")
+    group.add_argument(
+        "--apply-chat-template-kwargs",
+        type=_json_object,
+        default={},
+        help="Extra apply_chat_template arguments as JSON, e.g. '{\"enable_thinking\": false}'.",
+    )
+    group.add_argument(
+        "--start-rollout-id",
+        type=int,
+        default=None,
+        help="First rollout id (default: continue from the loaded checkpoint, else 0).",
+    )
+    group.add_argument("--rollout-batch-size", type=int, default=None, help="Prompts per rollout step.")
+    group.add_argument("--n-samples-per-prompt", type=int, default=1, help="Responses generated per prompt.")
+    group.add_argument(
+        "--num-steps-per-rollout",
+        type=int,
+        default=None,
+        help="Optimizer steps per rollout (default: derived from --global-batch-size, else 1).",
+    )
+    group.add_argument("--balance-data", action="store_true", help="Balance tokens across data-parallel ranks.")
+    group.add_argument("--balance-by-flops", action="store_true", help="Balance by estimated FLOPs, not tokens.")
+    group.add_argument(
+        "--use-dynamic-batch-size",
+        action="store_true",
+        help="Pack micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples.",
+    )
+    group.add_argument("--max-tokens-per-gpu", type=int, default=None, help="Token budget of one micro-batch.")
+    group.add_argument(
+        "--log-probs-max-tokens-per-gpu",
+        type=int,
+        default=None,
+        help="Token budget for log-prob passes (default: --max-tokens-per-gpu).",
+    )
+
+
+def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("eval")
+    group.add_argument(
+        "--eval-function-path", default=None, help="Eval rollout function (default: --rollout-function-path)."
+    )
+    group.add_argument(
+        "--eval-prompt-data",
+        nargs="+",
+        action=_NamePathPairs,
+        default=None,
+        metavar="NAME PATH",
+        help="Eval datasets as name/path pairs; repeatable. Stored as [(name, path), ...].",
+    )
+    group.add_argument("--eval-config", default=None, help="YAML describing eval datasets and their settings.")
+    group.add_argument("--skip-eval-before-train", action="store_true", help="No eval at rollout 0.")
+    group.add_argument("--eval-input-key", default=None, help="Prompt field of eval data (default: --input-key).")
+    group.add_argument("--eval-label-key", default=None, help="Label field of eval data (default: --label-key).")
+    group.add_argument("--eval-tool-key", default=None, help="Tools field of eval data (default: --tool-key).")
+    group.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Responses per eval prompt.")
+    group.add_argument("--eval-temperature", type=float, default=None, help="(default: the rollout value)")
+    group.add_argument("--eval-top-p", type=float, default=None, help="(default: the rollout value)")
+    group.add_argument("--eval-top-k", type=int, default=None, help="(default: the rollout value)")
+    group.add_argument("--eval-max-response-len", type=int, default=None, help="(default: the rollout value)")
+    group.add_argument("--eval-max-prompt-len", type=int, default=None, help="(default: the rollout value)")
+    group.add_argument("--eval-min-new-tokens", type=int, default=None, help="Minimum new tokens in eval.")
+    group.add_argument("--eval-max-context-len", type=int, default=None, help="(default: the rollout value)")
+
+
+def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("algorithm and loss")
+    group.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    group.add_argument(
+        "--loss-type",
+        choices=LOSS_TYPES,
+        default="policy_loss",
+        help="custom_loss needs --custom-loss-function-path.",
+    )
+    group.add_argument(
+        "--custom-loss-function-path",
+        default=None,
+        help="f(args, batch, logits, sum_of_sample_mean) -> (loss, metrics) for --loss-type custom_loss.",
+    )
+    group.add_argument(
+        "--custom-advantage-function-path",
+        default=None,
+        help="f(args, rollout_data) setting 'advantages' and 'returns', replacing the estimator.",
+    )
+    group.add_argument(
+        "--custom-pg-loss-reducer-function-path",
+        default=None,
+        help="f(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer.",
+    )
+    group.add_argument("--eps-clip", type=float, default=0.2, help="Lower PPO clip range.")
+    group.add_argument("--eps-clip-high", type=float, default=None, help="Upper PPO clip range (default: --eps-clip).")
+    group.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip bound for negative advantages.")
+    group.add_argument("--value-clip", type=float, default=0.2, help="Critic value clip range.")
+    group.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward.")
+    group.add_argument("--use-kl-loss", action="store_true", help="Add a KL-to-reference term to the loss.")
+    group.add_argument("--kl-loss-coef", type=float, default=0.0, help="Weight of the KL loss.")
+    group.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default="k1", help="KL estimator of the KL loss.")
+    group.add_argument("--use-unbiased-kl", action="store_true", help="Importance-weight the KL loss.")
+    group.add_argument("--entropy-coef", type=float, default=0.0, help="Entropy bonus weight.")
+    group.add_argument("--gamma", type=float, default=1.0, help="Discount (ppo, reinforce_plus_plus).")
+    group.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (ppo).")
+    group.add_argument("--normalize-advantages", action="store_true", help="Whiten advantages over the batch.")
+    group.add_argument(
+        "--disable-grpo-std-normalization",
+        action="store_true",
+        help="Only subtract the group mean from rewards (Dr.GRPO).",
+    )
+    group.add_argument("--disable-rewards-normalization", action="store_true", help="Use raw rewards.")
+    group.add_argument(
+        "--disable-compute-advantages-and-returns",
+        action="store_true",
+        help="Skip advantage computation (e.g. SFT).",
+    )
+    group.add_argument(
+        "--use-rollout-logprobs",
+        action="store_true",
+        help="Use the engines' log-probs as old log-probs instead of recomputing them.",
+    )
+    group.add_argument("--use-tis", action="store_true", help="Truncated importance sampling on rollout log-probs.")
+    group.add_argument("--tis-clip", type=float, default=2.0, help="Upper bound of the TIS weight.")
+    group.add_argument("--tis-clip-low", type=float, default=0.0, help="Lower bound of the TIS weight.")
+    group.add_argument(
+        "--custom-tis-function-path",
+        default=None,
+        help="f(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths).",
+    )
+    group.add_argument(
+        "--get-mismatch-metrics", action="store_true", help="Log train/rollout log-prob mismatch metrics."
+    )
+    group.add_argument("--use-opsm", action="store_true", help="Off-policy sequence masking.")
+    group.add_argument("--opsm-delta", type=float, default=1e-4, help="OPSM threshold.")
+    group.add_argument("--use-routing-replay", action="store_true", help="MoE: replay the old routing in training.")
+    group.add_argument(
+        "--use-rollout-routing-replay", action="store_true", help="MoE: replay the engines' routed experts."
+    )
+    group.add_argument("--use-rollout-entropy", action="store_true", help="Log entropy of the rollout policy.")
+    group.add_argument("--ref-load", default=None, help="Reference model checkpoint (default: the actor's start).")
+    group.add_argument("--ref-ckpt-step", type=int, default=None, help="Step of --ref-load to use.")
+    group.add_argument(
+        "--ref-update-interval", type=int, default=None, help="Refresh the reference every this many rollouts."
+    )
+    group.add_argument(
+        "--num-critic-only-steps", type=int, default=0, help="ppo: train only the critic for the first steps."
+    )
+    group.add_argument("--megatron-config-path", default=None, help="YAML of Megatron overrides per role.")
+    group.add_argument("--reset-optimizer-states", action="store_true", help="Zero optimizer states after each step.")
+    group.add_argument("--use-stateless-adam", action="store_true", help="Adam without persistent moments.")
+
+
+def _add_opd_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("on-policy distillation")
+    group.add_argument("--use-opd", action="store_true", help="Subtract opd-kl-coef x (student - teacher) log-prob.")
+    group.add_argument("--opd-type", choices=["sglang", "megatron"], default="sglang", help="Where the teacher runs.")
+    group.add_argument("--opd-kl-coef", type=float, default=1.0, help="Weight of the teacher term.")
+    group.add_argument("--opd-teacher-load", default=None, help="Teacher checkpoint (--opd-type megatron).")
+    group.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="Step of the teacher checkpoint.")
+
+
+def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("reward")
+    group.add_argument(
+        "--rm-type", default=None, help="Built-in reward: deepscaler, dapo, math, f1, gpqa, ifbench, remote_rm, ..."
+    )
+    group.add_argument("--reward-key", default=None, help="Key to read when a reward is a dict.")
+    group.add_argument("--eval-reward-key", default=None, help="Same for eval (default: --reward-key).")
+    group.add_argument("--group-rm", action="store_true", help="Score a whole group in one reward call.")
+    group.add_argument("--rm-url", default=None, help="URL of a remote reward model (--rm-type remote_rm).")
+    group.add_argument("--custom-rm-path", default=None, help="async rm(args, sample) -> float.")
+    group.add_argument(
+        "--custom-reward-post-process-path", default=None, help="f(args, samples) -> (raw_rewards, rewards)."
+    )
+    group.add_argument(
+        "--custom-convert-samples-to-train-data-path", default=None, help="f(args, samples) -> train data dict."
+    )
+
+
+def _add_buffer_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("buffer")
+    group.add_argument(
+        "--buffer-filter-path",
+        default=None,
+        help="f(args, rollout_id, buffer, num_samples) -> groups to take from the buffer (default: oldest first).",
+    )
+    group.add_argument("--rollout-buffer-url", default=None, help="URL of the HTTP trajectory buffer plugin.")
+    group.add_argument(
+        "--fetch-trajectory-retry-times", type=int, default=-1, help="Retries fetching it; -1 is unlimited."
+    )
+    group.add_argument("--min-batch-collection-ratio", type=float, default=1.0, help="Fraction of a batch to wait for.")
+    group.add_argument("--rollout-task-type", default="math", help="Task type sent to the trajectory buffer.")
+    group.add_argument("--loss-mask-type", default="qwen", help="Chat format used to build multi-turn loss masks.")
+    group.add_argument(
+        "--data-pad-size-multiplier", type=int, default=128, help="Pad packed sequences to a multiple of this."
+    )
+    group.add_argument(
+        "--rollout-sample-filter-path", default=None, help="f(args, samples) setting sample.remove_sample."
+    )
+    group.add_argument("--rollout-all-samples-process-path", default=None, help="f(args, all_samples, data_source).")
+
+
+def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("checkpoint")
+    group.add_argument(
+        "--save-hf",
+        default=None,
+        help="Also save HF weights here at each save; may contain {rollout_id}.",
+    )
+
+
+def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("logging")
+    group.add_argument("--use-wandb", action="store_true")
+    group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
+    group.add_argument("--wandb-dir", default=None)
+    group.add_argument("--wandb-key", default=None)
+    group.add_argument("--wandb-host", default=None)
+    group.add_argument("--wandb-team", default=None)
+    group.add_argument("--wandb-group", default=None)
+    group.add_argument("--wandb-run-id", default=None)
+    group.add_argument("--disable-wandb-random-suffix", action="store_true", help="Use --wandb-group as run name.")
+    group.add_argument(
+        "--wandb-always-use-train-step", action="store_true", help="Log every metric against the train step."
+    )
+    group.add_argument("--log-multi-turn", action="store_true", help="Log multi-turn statistics.")
+    group.add_argument("--log-passrate", action="store_true", help="Log pass@k over each group.")
+    group.add_argument("--log-reward-category", default=None, help="Metadata key to break rewards down by.")
+    group.add_argument("--log-correct-samples", action="store_true", help="Log statistics of correct samples.")
+    group.add_argument("--use-tensorboard", action="store_true")
+    group.add_argument("--tb-project-name", default=None)
+    group.add_argument("--tb-experiment-name", default=None)
+
+
+def _add_debug_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("debug")
+    group.add_argument("--debug-rollout-only", action="store_true", help="Start only the engines, no trainer.")
+    group.add_argument("--debug-train-only", action="store_true", help="Start only the trainer, no engines.")
+    group.add_argument(
+        "--save-debug-rollout-data",
+        default=None,
+        help="Save each rollout's data to this path template, e.g. /tmp/rollout_{rollout_id}.pt.",
+    )
+    group.add_argument(
+        "--load-debug-rollout-data",
+        default=None,
+        help="Train on saved rollout data from this path template instead of generating; implies --debug-train-only.",
+    )
+    group.add_argument(
+        "--load-debug-rollout-data-subsample",
+        type=float,
+        default=None,
+        help="Fraction of the loaded rollout data to keep.",
+    )
+    group.add_argument(
+        "--save-debug-train-data", default=None, help="Save each rank's train data to this path template."
+    )
+    group.add_argument("--dump-details", default=None, help="Directory for detailed per-step dumps.")
+    group.add_argument(
+        "--check-weight-update-equal",
+        action="store_true",
+        help="After the first weight push, compare engine weights with the trainer's.",
+    )
+    group.add_argument("--http-proxy", default=None, help="Proxy for HTTP calls made by reward functions.")
+    group.add_argument("--use-distributed-post", action="store_true", help="Spread HTTP posts over Ray workers.")
+
+
+def _add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fault tolerance")
+    group.add_argument("--use-fault-tolerance", action="store_true", help="Health-check engines and restart dead ones.")
+    group.add_argument("--rollout-health-check-interval", type=float, default=30.0, help="Seconds between checks.")
+    group.add_argument("--rollout-health-check-timeout", type=float, default=30.0, help="Seconds before a check fails.")
+    group.add_argument(
+        "--rollout-health-check-first-wait", type=float, default=0.0, help="Seconds before the first check."
+    )
+
+
+def _add_ci_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("CI")
+    group.add_argument("--ci-test", action="store_true", help="Run the CI checks during training.")
+    group.add_argument("--ci-disable-kl-checker", action="store_true", help="Skip the first-step KL == 0 check.")
+    group.add_argument(
+        "--ci-train-rollout-logprob-abs-diff-threshold",
+        type=float,
+        default=0.1,
+        help="Largest allowed mean |train - rollout| log-prob difference.",
+    )
+    group.add_argument("--ci-save-grad-norm", default=None, help="Save grad norms to this path template.")
+    group.add_argument("--ci-load-grad-norm", default=None, help="Compare grad norms with this path template.")
+    group.add_argument("--ci-metric-checker-key", default=None, help="Metric checked at the end, e.g. eval/gsm8k.")
+    group.add_argument("--ci-metric-checker-threshold", type=float, default=None, help="Its minimum value.")
+
+
+def _add_forwarded_arguments(parser: argparse.ArgumentParser) -> None:
+    sglang_actions = _forwarded_actions(_sglang_source_parser(), _SGLANG_EXCLUDED)
+    if sglang_actions:
+        group = parser.add_argument_group("SGLang server (--sglang-<ServerArgs field>)")
+        _copy_prefixed_actions(sglang_actions, group, "sglang-")
+    router_actions = _forwarded_actions(_router_source_parser(), _ROUTER_EXCLUDED)
+    if router_actions:
+        group = parser.add_argument_group("router (--router-<RouterArgs field>)")
+        _copy_prefixed_actions(router_actions, group, "router-")
+
+
+def add_slime_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register slime's own flags, plus `--sglang-*` / `--router-*` when those packages are installed.
+
+    Usable as Megatron's `extra_args_provider`. Megatron-named flags (lr, batch sizes, save/load,
+    ...) are not added here; see `add_megatron_subset_arguments`.
+
+    Args:
+        parser: the parser to extend.
+
+    Returns:
+        the same parser.
+    """
+    cuda = torch.cuda.is_available()
+    _add_cluster_arguments(parser, cuda)
+    _add_cpu_arguments(parser)
+    _add_train_arguments(parser)
+    _add_rollout_arguments(parser)
+    _add_sampling_arguments(parser)
+    _add_data_arguments(parser)
+    _add_eval_arguments(parser)
+    _add_algorithm_arguments(parser)
+    _add_opd_arguments(parser)
+    _add_reward_arguments(parser)
+    _add_buffer_arguments(parser)
+    _add_checkpoint_arguments(parser)
+    _add_logging_arguments(parser)
+    _add_debug_arguments(parser)
+    _add_fault_tolerance_arguments(parser)
+    _add_ci_arguments(parser)
+    _add_forwarded_arguments(parser)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# The Megatron flags slime reads, for when Megatron's parser is not used
+# ---------------------------------------------------------------------------------------------
+
+
+def add_megatron_subset_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the Megatron flags slime itself reads, with Megatron's names and slime's defaults.
+
+    Used with `--train-backend fsdp` or when `megatron.training` is not importable.
+
+    Args:
+        parser: the parser to extend.
+
+    Returns:
+        the same parser.
+    """
+    cuda = torch.cuda.is_available()
+    defaults = MEGATRON_DEFAULT_OVERRIDES
+
+    optim = parser.add_argument_group("optimizer (Megatron names)")
+    optim.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    optim.add_argument("--lr", type=float, default=defaults["lr"])
+    optim.add_argument("--min-lr", type=float, default=0.0)
+    optim.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+        default=defaults["lr_decay_style"],
+    )
+    optim.add_argument("--lr-warmup-iters", type=int, default=0, help="Warm-up optimizer steps.")
+    optim.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warm-up as a fraction of decay steps.")
+    optim.add_argument("--lr-decay-iters", type=int, default=None, help="Decay steps (default: all steps).")
+    optim.add_argument("--weight-decay", type=float, default=0.01)
+    optim.add_argument("--adam-beta1", type=float, default=0.9)
+    optim.add_argument("--adam-beta2", type=float, default=0.999)
+    optim.add_argument("--adam-eps", type=float, default=1e-8)
+    optim.add_argument("--clip-grad", type=float, default=defaults["clip_grad"], help="Gradient-norm clip.")
+    optim.add_argument("--seed", type=int, default=defaults["seed"])
+    optim.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Normalize the loss by the token count of the step, not per sample.",
+    )
+    optim.add_argument("--bf16", action="store_true", help="Train in bf16 (slow on CPUs without bf16 units).")
+    optim.add_argument("--fp16", action="store_true")
+
+    batch = parser.add_argument_group("batch (Megatron names)")
+    batch.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per optimizer step (default: rollout-batch-size x n-samples-per-prompt / num-steps-per-rollout).",
+    )
+    batch.add_argument("--micro-batch-size", type=int, default=defaults["micro_batch_size"])
+
+    parallel = parser.add_argument_group("parallelism (Megatron names)")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--context-parallel-size", type=int, default=1)
+    parallel.add_argument("--expert-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--sequence-parallel", action="store_true")
+    parallel.add_argument(
+        "--distributed-backend",
+        choices=["nccl", "gloo"],
+        default="nccl" if cuda else "gloo",
+        help="torch.distributed backend of the trainers (default: nccl with CUDA, gloo without).",
+    )
+    parallel.add_argument("--distributed-timeout-minutes", type=int, default=defaults["distributed_timeout_minutes"])
+
+    ckpt = parser.add_argument_group("checkpoint (Megatron names)")
+    ckpt.add_argument("--save", default=None, help="Checkpoint directory to save to.")
+    ckpt.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
+    ckpt.add_argument("--save-interval", type=int, default=None, help="Save every this many rollouts.")
+    ckpt.add_argument("--async-save", action="store_true")
+    ckpt.add_argument("--no-save-optim", action="store_true", default=None)
+    ckpt.add_argument("--no-load-optim", action="store_true", default=None)
+    ckpt.add_argument("--no-load-rng", action="store_true", default=None)
+    ckpt.add_argument("--finetune", action="store_true", help="Load weights only and restart step counting.")
+
+    misc = parser.add_argument_group("eval and logging (Megatron names)")
+    misc.add_argument("--eval-interval", type=int, default=defaults["eval_interval"], help="Eval every N rollouts.")
+    misc.add_argument("--wandb-project", default=None)
+    misc.add_argument("--tensorboard-dir", default=None)
+    misc.add_argument("--record-memory-history", action="store_true")
+    return parser
+
+
+def _import_megatron_arguments():
+    try:
+        return importlib.import_module("megatron.training.arguments")
+    except ImportError:
+        return None
+
+
+def _parse_with_megatron(megatron_arguments, argv: list[str]) -> argparse.Namespace:
+    """Megatron's parse_args over argv, with slime's flags and default overrides added."""
+    cuda = torch.cuda.is_available()
+
+    def extra_args_provider(parser):
+        add_slime_arguments(parser)
+        parser.set_defaults(**MEGATRON_DEFAULT_OVERRIDES, distributed_backend="nccl" if cuda else "gloo")
+        return parser
+
+    # Megatron reads sys.argv itself.
+    saved_argv = sys.argv
+    sys.argv = [saved_argv[0] if saved_argv else "slime", *argv]
+    try:
+        return megatron_arguments.parse_args(extra_args_provider=extra_args_provider, ignore_unknown_args=True)
+    finally:
+        sys.argv = saved_argv
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------
+
+
+def _reject_managed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    for token in argv:
+        flag = token.partition("=")[0]
+        for prefix, managed in (("--sglang-", SGLANG_MANAGED_FIELDS), ("--router-", ROUTER_MANAGED_FIELDS)):
+            if flag.startswith(prefix) and flag[len(prefix) :].replace("-", "_") in managed:
+                instead = managed[flag[len(prefix) :].replace("-", "_")]
+                parser.error(f"{flag} is set by slime itself; use {instead} instead")
+
+
+def _attach_forwarded(
+    args: argparse.Namespace, prefix: str, registered: list[str], generic: dict[str, Any]
+) -> dict[str, Any]:
+    """Set `args.<prefix><field>` for generic flags and return {field: value} of all forwarded ones."""
+    forwarded = {field: getattr(args, prefix + field) for field in registered}
+    for flag, value in generic.items():
+        field = _field_name(flag, "--" + prefix.replace("_", "-"))
+        setattr(args, prefix + field, value)
+        forwarded[field] = value
+    return forwarded
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse slime's command line into one namespace and validate it.
+
+    Args:
+        argv: arguments without the program name (default: `sys.argv[1:]`).
+
+    Returns:
+        the namespace: every flag as an attribute, plus `sglang_server_args`, `router_args`,
+        `megatron_passthrough_args` (dicts) and the fields derived by `validate_args`.
+
+    Raises:
+        SystemExit: malformed command line (argparse prints the message).
+        ArgumentValidationError: inconsistent flags.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cuda = torch.cuda.is_available()
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--train-backend", choices=["megatron", "fsdp"], default="megatron" if cuda else "fsdp")
+    train_backend = pre.parse_known_args(argv)[0].train_backend
+    megatron_arguments = _import_megatron_arguments() if train_backend == "megatron" else None
+
+    parser = argparse.ArgumentParser(
+        description="slime: RL post-training with Megatron/FSDP training and SGLang rollout.",
+        allow_abbrev=False,
+    )
+    add_slime_arguments(parser)
+    if megatron_arguments is None:
+        add_megatron_subset_arguments(parser)
+    _reject_managed_flags(parser, argv)
+    known = set(parser._option_string_actions)
+
+    # Without the package, --sglang-*/--router-* are taken generically before argparse sees them.
+    generic_sglang: dict[str, Any] = {}
+    generic_router: dict[str, Any] = {}
+    if _sglang_source_parser() is None:
+        argv, generic_sglang = _extract_unknown_flags(argv, known, "--sglang-")
+    if _router_source_parser() is None:
+        argv, generic_router = _extract_unknown_flags(argv, known, "--router-")
+
+    passthrough: dict[str, Any] = {}
+    if megatron_arguments is not None:
+        args = _parse_with_megatron(megatron_arguments, argv)
+    else:
+        argv, unknown = _extract_unknown_flags(argv, known, "--")
+        if unknown and train_backend == "fsdp":
+            parser.error(
+                f"unrecognized arguments: {', '.join(unknown)}. With --train-backend fsdp only slime's flags and "
+                "the Megatron flags slime reads are accepted (see --help): fix the spelling, or drop Megatron "
+                "model flags (FSDP reads the architecture from --hf-checkpoint)."
+            )
+        args = parser.parse_args(argv)
+        if unknown:
+            logger.warning(
+                "megatron.training is not importable, so these flags are kept as given without Megatron's checks: %s",
+                ", ".join(unknown),
+            )
+        for flag, value in unknown.items():
+            name = _field_name(flag, "--")
+            if hasattr(args, name):  # e.g. --rollout_batch_size next to the real --rollout-batch-size
+                parser.error(f"unrecognized argument {flag}; did you mean --{name.replace('_', '-')}?")
+            setattr(args, name, value)
+            passthrough[name] = value
+
+    args.sglang_server_args = _attach_forwarded(
+        args, "sglang_", [a.dest for a in _forwarded_actions(_sglang_source_parser(), _SGLANG_EXCLUDED)], generic_sglang
+    )
+    args.router_args = _attach_forwarded(
+        args, "router_", [a.dest for a in _forwarded_actions(_router_source_parser(), _ROUTER_EXCLUDED)], generic_router
+    )
+    args.megatron_passthrough_args = passthrough
+    validate_args(args)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _fail(message: str) -> None:
+    raise ArgumentValidationError(message)
+
+
+def _validate_batch_sizes(args: argparse.Namespace) -> None:
+    """Enforce rollout_batch_size x n_samples_per_prompt == global_batch_size x num_steps_per_rollout."""
+    if args.rollout_batch_size is None:
+        _fail("--rollout-batch-size is required: the number of prompts per rollout step.")
+    if args.rollout_batch_size < 1 or args.n_samples_per_prompt < 1:
+        _fail(
+            f"--rollout-batch-size ({args.rollout_batch_size}) and --n-samples-per-prompt "
+            f"({args.n_samples_per_prompt}) must be at least 1."
+        )
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    identity = (
+        f"--rollout-batch-size ({args.rollout_batch_size}) x --n-samples-per-prompt ({args.n_samples_per_prompt}) "
+        f"= {samples} samples per rollout"
+    )
+    gbs, steps = args.global_batch_size, args.num_steps_per_rollout
+    if gbs is None:
+        steps = 1 if steps is None else steps
+        if steps < 1 or samples % steps:
+            _fail(f"{identity}, which --num-steps-per-rollout ({steps}) does not divide into equal steps.")
+        gbs = samples // steps
+    elif steps is None:
+        if gbs < 1 or samples % gbs:
+            _fail(f"{identity}, which is not a multiple of --global-batch-size ({gbs}); change one of them.")
+        steps = samples // gbs
+    elif gbs * steps != samples:
+        _fail(
+            f"{identity}, but --global-batch-size ({gbs}) x --num-steps-per-rollout ({steps}) = {gbs * steps}; "
+            "they must be equal. Drop --global-batch-size or --num-steps-per-rollout to derive it."
+        )
+    args.global_batch_size, args.num_steps_per_rollout = gbs, steps
+
+
+def _validate_placement(args: argparse.Namespace) -> None:
+    args.actor_world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.colocate:
+        if args.rollout_num_gpus is not None and args.rollout_num_gpus != args.actor_world_size:
+            logger.warning(
+                "--colocate: --rollout-num-gpus %s replaced by the actor's %s GPUs "
+                "(--actor-num-nodes x --actor-num-gpus-per-node).",
+                args.rollout_num_gpus,
+                args.actor_world_size,
+            )
+        args.rollout_num_gpus = args.actor_world_size
+    elif args.rollout_num_gpus is None:
+        if args.rollout_backend == "cpu":
+            args.rollout_num_gpus = 1  # one CPU engine slot
+        elif not args.debug_train_only:
+            _fail(
+                "--rollout-num-gpus is required without --colocate: the GPUs the rollout engines get "
+                "besides the actor's. Pass it, or --colocate to share the actor's GPUs."
+            )
+    if args.rollout_num_gpus is None:
+        args.rollout_num_engines = 0
+    else:
+        if args.rollout_num_gpus_per_engine < 1 or args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+            _fail(
+                f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of "
+                f"--rollout-num-gpus-per-engine ({args.rollout_num_gpus_per_engine})."
+            )
+        args.rollout_num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+
+    args.use_critic = args.advantage_estimator == "ppo"
+    if args.offload:
+        args.offload_train = True if args.offload_train is None else args.offload_train
+        args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
+    if args.offload_train is None:
+        # The critic shares the actor's GPUs, so one of them must step aside while the other runs.
+        args.offload_train = args.colocate or args.use_critic
+    if args.offload_rollout is None:
+        args.offload_rollout = args.colocate
+
+    if args.rollout_backend == "cpu" and not args.colocate:
+        trainer_threads = 0 if args.debug_rollout_only else args.actor_world_size * args.train_num_threads
+        engine_threads = 0 if args.debug_train_only else args.rollout_num_engines * args.cpu_engine_num_threads
+        cores = os.cpu_count() or 1
+        if trainer_threads + engine_threads > cores:
+            logger.warning(
+                "%d trainer threads + %d CPU engine threads exceed the %d cores; oversubscribed threads slow "
+                "everything down. Lower --train-num-threads / --cpu-engine-num-threads or the process counts.",
+                trainer_threads,
+                engine_threads,
+                cores,
+            )
+
+
+def _validate_algorithm(args: argparse.Namespace) -> None:
+    if args.rollout_temperature <= 0:
+        _fail(
+            f"--rollout-temperature must be > 0 (got {args.rollout_temperature}): log-probs are taken at this "
+            "temperature. For near-greedy sampling use a small value such as 0.01, or --rollout-top-k 1."
+        )
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
+        _fail("--loss-type custom_loss needs --custom-loss-function-path pointing at your loss function.")
+    if args.n_samples_per_prompt == 1 and not args.disable_grpo_std_normalization:
+        logger.warning(
+            "--n-samples-per-prompt 1: a group has one reward, so its std is 0; "
+            "turning on --disable-grpo-std-normalization."
+        )
+        args.disable_grpo_std_normalization = True
+    if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and (
+        not args.normalize_advantages
+    ):
+        logger.warning(
+            "--advantage-estimator %s normalizes advantages; turning on --normalize-advantages.",
+            args.advantage_estimator,
+        )
+        args.normalize_advantages = True
+    if args.use_kl_loss and args.kl_loss_coef == 0:
+        logger.warning("--use-kl-loss with --kl-loss-coef 0 computes the KL but gives it no weight.")
+    if args.use_opd and args.opd_type == "megatron" and not args.opd_teacher_load:
+        _fail("--use-opd --opd-type megatron needs --opd-teacher-load (the teacher checkpoint).")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    if args.num_rollout is None and args.num_epoch is None and not args.debug_train_only:
+        _fail("Pass --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data).")
+    if args.num_rollout is not None and args.num_epoch is not None:
+        logger.warning("Both --num-rollout and --num-epoch given: --num-rollout %s wins.", args.num_rollout)
+    custom_source = not args.rollout_global_dataset or args.data_source_path != DEFAULT_DATA_SOURCE_PATH
+    if args.prompt_data is None and not custom_source and not (args.debug_train_only and args.load_debug_rollout_data):
+        _fail(
+            "--prompt-data is required (a .jsonl or .parquet of prompts), unless --data-source-path or "
+            "--disable-rollout-global-dataset supplies prompts another way."
+        )
+    if args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = args.rollout_batch_size
+    if args.over_sampling_batch_size < args.rollout_batch_size:
+        _fail(
+            f"--over-sampling-batch-size ({args.over_sampling_batch_size}) must be at least --rollout-batch-size "
+            f"({args.rollout_batch_size}): it is how many prompts are submitted per round to fill one batch."
+        )
+    if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
+        _fail("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of a micro-batch).")
+    if args.log_probs_max_tokens_per_gpu is None:
+        args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
+    if args.eval_function_path is None:
+        args.eval_function_path = args.rollout_function_path
+    if args.eval_interval is not None and not (args.eval_prompt_data or args.eval_config):
+        _fail("--eval-interval needs eval data: --eval-prompt-data NAME PATH [...] or --eval-config.")
+
+
+def _validate_modes(args: argparse.Namespace) -> None:
+    if args.load_debug_rollout_data:
+        if args.debug_rollout_only:
+            _fail(
+                "--load-debug-rollout-data trains on saved data (it implies --debug-train-only) and cannot be "
+                "combined with --debug-rollout-only."
+            )
+        args.debug_train_only = True
+    if args.debug_rollout_only and args.debug_train_only:
+        _fail("--debug-rollout-only and --debug-train-only exclude each other; pass one of them.")
+    if args.hf_checkpoint is None and not (args.debug_train_only and args.train_backend == "megatron" and args.load):
+        _fail("--hf-checkpoint is required: the HF model folder (weights, tokenizer, config).")
+    if args.update_weights_interval < 1:
+        _fail(f"--update-weights-interval must be at least 1 (got {args.update_weights_interval}).")
+    if args.update_weight_mode == "delta":
+        if args.update_weight_transport != "disk":
+            _fail("--update-weight-mode delta needs --update-weight-transport disk.")
+        if args.colocate:
+            _fail("--update-weight-mode delta does not work with --colocate (colocated engines get tensors directly).")
+    if args.save_interval is not None and not args.save:
+        _fail("--save-interval needs --save (the checkpoint directory).")
+
+
+def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check cross-flag rules and fill the defaults that depend on other flags, in place.
+
+    Fills: global_batch_size / num_steps_per_rollout (from the batch identity), actor_world_size,
+    rollout_num_gpus (colocate; 1 on the CPU backend), rollout_num_engines, use_critic,
+    offload_train / offload_rollout, eps_clip_high, over_sampling_batch_size,
+    log_probs_max_tokens_per_gpu, eval_function_path, and debug_train_only when
+    --load-debug-rollout-data is set. Calling it twice gives the same result.
+
+    Args:
+        args: a namespace from this module's parser.
+
+    Returns:
+        the same namespace.
+
+    Raises:
+        ArgumentValidationError: naming the flags at fault and the fix.
+    """
+    _validate_modes(args)
+    _validate_batch_sizes(args)
+    _validate_placement(args)
+    _validate_algorithm(args)
+    _validate_data(args)
+    return args

@@ -1,0 +1,283 @@
+"""HTTP plumbing shared by the router, the engines and the rollout: ports, health waits, JSON requests.
+
+Port choice. `find_free_port` picks a random starting port in [10000, 32768) and probes upward until a
+bind succeeds. The range sits below Linux's ephemeral range (32768-60999), so the kernel never hands
+a chosen port to an outgoing connection before our server binds it. The random start makes two
+processes that look for ports at the same moment (engine actors on one node) very unlikely to pick
+the same one, and a per-process reserved set guarantees one process never hands out a port twice.
+A port is only free at the moment we probe it; whoever binds it must still fail loudly if it is taken.
+
+Requests. The sync helpers use urllib (no extra dependency) and are for control calls; the async
+helper shares one aiohttp session per event loop so thousands of concurrent /generate calls reuse
+connections. Both retry only when the connection itself failed (the request never reached a server,
+or the server went away mid-request) and raise `HTTPRequestError` with the status and body otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+PORT_RANGE = (10000, 32768)
+
+_reserved_ports: set[int] = set()
+_reserved_lock = threading.Lock()
+
+# Statuses that mean "nobody handled this request": the router has no healthy worker, or a proxy hop failed.
+RETRYABLE_STATUSES = {502, 503}
+
+
+class HTTPRequestError(RuntimeError):
+    """An HTTP request reached a server and got an error status back.
+
+    Attributes:
+        method: HTTP method, e.g. "POST".
+        url: Full URL that was requested.
+        status: HTTP status code.
+        body: Response body as text (truncated to 2000 characters).
+    """
+
+    def __init__(self, method: str, url: str, status: int, body: str):
+        self.method = method
+        self.url = url
+        self.status = status
+        self.body = body[:2000]
+        super().__init__(f"{method} {url} returned HTTP {status}: {self.body}")
+
+
+def find_free_port(host: str = "127.0.0.1", exclude: set[int] | frozenset[int] = frozenset()) -> int:
+    """Return a port on `host` that nothing is bound to right now and this process has not handed out before.
+
+    Args:
+        host: Interface to probe, e.g. "127.0.0.1" or "0.0.0.0".
+        exclude: Ports the caller already plans to use and must not get back.
+
+    Returns:
+        A port number in [10000, 32768), recorded as reserved for the rest of this process.
+    """
+    low, high = PORT_RANGE
+    span = high - low
+    start = random.randrange(span)
+    with _reserved_lock:
+        for offset in range(span):
+            port = low + (start + offset) % span
+            if port in _reserved_ports or port in exclude:
+                continue
+            if _can_bind(host, port):
+                _reserved_ports.add(port)
+                return port
+    raise RuntimeError(f"no free port on {host} in [{low}, {high}); too many servers running on this machine?")
+
+
+def _can_bind(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def tail_file(path: str | Path | None, num_lines: int = 50) -> str:
+    """Return the last `num_lines` lines of a text file, or "" when there is no such file."""
+    if path is None or not Path(path).exists():
+        return ""
+    with open(path, errors="replace") as f:
+        return "".join(deque(f, maxlen=num_lines))
+
+
+def _log_tail_section(log_path: str | Path | None) -> str:
+    if log_path is None:
+        return ""
+    tail = tail_file(log_path)
+    return f"\n--- last lines of {log_path} ---\n{tail}--- end of log ---" if tail else f"\n(log {log_path} is empty)"
+
+
+def wait_until_healthy(
+    url: str,
+    timeout: float,
+    process: subprocess.Popen | None = None,
+    log_path: str | Path | None = None,
+    poll_interval: float = 0.5,
+) -> None:
+    """Poll `url` with GET until it answers HTTP 200.
+
+    Args:
+        url: Full health URL, e.g. "http://127.0.0.1:30000/health".
+        timeout: Seconds to wait before giving up.
+        process: The server process; if it exits first we stop waiting and say so.
+        log_path: The server's log file; its last 50 lines go into the error.
+        poll_interval: Seconds between polls.
+
+    Raises:
+        RuntimeError: `process` exited before `url` became healthy.
+        TimeoutError: `url` was not healthy after `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(
+                f"server process (pid {process.pid}) exited with code {process.returncode} before {url} "
+                f"became healthy{_log_tail_section(log_path)}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=min(5.0, timeout)) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass  # not up yet
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"{url} was not healthy after {timeout:g}s; raise the startup timeout if the server is just slow"
+                f"{_log_tail_section(log_path)}"
+            )
+        time.sleep(poll_interval)
+
+
+def _decode_body(body: bytes) -> Any:
+    """JSON when the body is JSON (SGLang's control endpoints), text otherwise (/flush_cache, /health)."""
+    text = body.decode("utf-8", errors="replace")
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def request_json(
+    method: str,
+    url: str,
+    payload: Any = None,
+    timeout: float | None = 60.0,
+    max_retries: int = 3,
+    retry_delay: float = 0.5,
+) -> Any:
+    """Send one HTTP request with an optional JSON body and return the decoded response.
+
+    Args:
+        method: "GET", "POST", "DELETE", ...
+        url: Full URL.
+        payload: JSON-serializable body, or None for no body.
+        timeout: Socket timeout in seconds (None waits forever).
+        max_retries: Extra attempts when the connection fails (refused, reset) or the status is 502/503.
+        retry_delay: First backoff in seconds; doubles after each failed attempt.
+
+    Returns:
+        The parsed JSON body, the text body if it is not JSON, or None for an empty body.
+
+    Raises:
+        HTTPRequestError: The server answered with a status >= 400 (after retries for 502/503).
+        ConnectionError: The server could not be reached after all retries.
+    """
+    data = None if payload is None else json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    attempt = 0
+    while True:
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return _decode_body(response.read())
+        except urllib.error.HTTPError as e:
+            error = HTTPRequestError(method, url, e.code, e.read().decode("utf-8", errors="replace"))
+            if e.code not in RETRYABLE_STATUSES or attempt == max_retries:
+                raise error from None
+        except (urllib.error.URLError, ConnectionError) as e:
+            if isinstance(e, urllib.error.URLError) and isinstance(e.reason, TimeoutError):
+                raise TimeoutError(f"{method} {url} timed out after {timeout}s") from e
+            if attempt == max_retries:
+                raise ConnectionError(f"{method} {url} failed after {max_retries + 1} attempts: {e}") from e
+        time.sleep(retry_delay * 2**attempt)
+        attempt += 1
+
+
+def post_json(url: str, payload: Any = None, timeout: float | None = 60.0, max_retries: int = 3) -> Any:
+    """POST `payload` as JSON to `url`; see `request_json` for retries, return value and errors."""
+    return request_json("POST", url, payload, timeout=timeout, max_retries=max_retries)
+
+
+def get_json(url: str, timeout: float | None = 60.0, max_retries: int = 3) -> Any:
+    """GET `url`; see `request_json` for retries, return value and errors."""
+    return request_json("GET", url, None, timeout=timeout, max_retries=max_retries)
+
+
+_async_session: aiohttp.ClientSession | None = None
+_async_session_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _shared_session() -> aiohttp.ClientSession:
+    """One session per event loop: aiohttp sessions cannot cross loops, and a new session per request
+    would open a new connection per request."""
+    global _async_session, _async_session_loop
+    loop = asyncio.get_running_loop()
+    if _async_session is None or _async_session.closed or _async_session_loop is not loop:
+        # limit=0: the rollout decides concurrency (--sglang-server-concurrency), not the connection pool.
+        _async_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        )
+        _async_session_loop = loop
+    return _async_session
+
+
+async def close_async_session() -> None:
+    """Close the shared aiohttp session of the running loop, if any (call before the loop ends)."""
+    global _async_session, _async_session_loop
+    if _async_session is not None and _async_session_loop is asyncio.get_running_loop():
+        await _async_session.close()
+        _async_session, _async_session_loop = None, None
+
+
+async def async_post_json(
+    url: str,
+    payload: Any,
+    timeout: float | None = None,
+    max_retries: int = 3,
+    retry_delay: float = 0.5,
+) -> Any:
+    """POST `payload` as JSON with the shared aiohttp session and return the decoded response.
+
+    Args:
+        url: Full URL, e.g. f"http://{router_ip}:{router_port}/generate".
+        payload: JSON-serializable body.
+        timeout: Total seconds for one attempt (None waits forever).
+        max_retries: Extra attempts when the connection fails or the status is 502/503.
+        retry_delay: First backoff in seconds; doubles after each failed attempt.
+
+    Returns:
+        The parsed JSON body, or the text body if it is not JSON.
+
+    Raises:
+        HTTPRequestError: The server answered with a status >= 400 (after retries for 502/503).
+        ConnectionError: The server could not be reached after all retries.
+    """
+    session = _shared_session()
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    attempt = 0
+    while True:
+        try:
+            async with session.post(url, json=payload, timeout=client_timeout) as response:
+                body = await response.read()
+                if response.status < 400:
+                    return _decode_body(body)
+                error = HTTPRequestError("POST", url, response.status, body.decode("utf-8", errors="replace"))
+                if response.status not in RETRYABLE_STATUSES or attempt == max_retries:
+                    raise error
+        # Refused/reset connections and servers that went away; timeouts are not retried.
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+            if attempt == max_retries:
+                raise ConnectionError(f"POST {url} failed after {max_retries + 1} attempts: {e!r}") from e
+        await asyncio.sleep(retry_delay * 2**attempt)
+        attempt += 1

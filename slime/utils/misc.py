@@ -1,0 +1,34 @@
+"""Small helpers used across slime."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+def load_function(path: str) -> Callable[..., Any]:
+    """Import `pkg.module.attr` and return the attribute (function or class).
+
+    Raises a ValueError that names the path and what went wrong, so a typo in a
+    `--*-path` flag is obvious.
+    """
+    module_path, _, attr = path.rpartition(".")
+    if not module_path:
+        raise ValueError(f"'{path}' is not a dotted path like 'my_pkg.my_module.my_function'")
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as e:
+        raise ValueError(f"cannot import module '{module_path}' for '{path}': {e}. Is it on PYTHONPATH?") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError as e:
+        raise ValueError(f"module '{module_path}' has no attribute '{attr}' (from '{path}')") from e
+
+
+async def maybe_await(value: Any) -> Any:
+    """Await `value` if it is awaitable, so user hooks may be sync or async."""
+    if inspect.isawaitable(value):
+        return await value
+    return value

@@ -1,0 +1,302 @@
+"""EngineClient against the real CPU engine, engine command lines, and the HTTP helpers under them."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from argparse import Namespace
+
+import pytest
+
+from slime.backends.sglang_utils.sglang_engine import build_cpu_engine_args, build_sglang_server_args
+from slime.utils.http_utils import (
+    PORT_RANGE,
+    HTTPRequestError,
+    async_post_json,
+    close_async_session,
+    find_free_port,
+    post_json,
+    wait_until_healthy,
+)
+
+# ---------------------------------------------------------------- engine command lines
+
+
+def test_sglang_server_args_forward_user_flags_after_managed_ones():
+    args = Namespace(
+        sglang_server_args={
+            "mem_fraction_static": 0.7,
+            "cuda-graph-bs": [1, 2, 4],
+            "enable_dp_attention": True,
+            "disable_radix_cache": False,
+            "json_model_override_args": {"rope_scaling": None},
+            "chunked_prefill_size": None,
+        },
+        offload_rollout=True,
+    )
+    cli = build_sglang_server_args(
+        args, model_path="/ckpt", host="10.0.0.1", port=30001, tp_size=2, base_gpu_id=4, nccl_port=30002
+    )
+    expected = [
+        "--model-path", "/ckpt", "--host", "10.0.0.1", "--port", "30001", "--tp-size", "2",
+        "--base-gpu-id", "4", "--nccl-port", "30002", "--nnodes", "1", "--node-rank", "0",
+        "--enable-memory-saver",
+        "--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2", "4", "--enable-dp-attention",
+        "--json-model-override-args", '{"rope_scaling": null}',
+    ]  # fmt: skip
+    assert cli == expected
+
+
+def test_sglang_server_args_multi_node_and_no_offload():
+    args = Namespace(sglang_server_args={}, offload_rollout=False)
+    cli = build_sglang_server_args(
+        args, model_path="/m", host="h", port=1, tp_size=16, base_gpu_id=0, nccl_port=2,
+        dist_init_addr="10.0.0.1:5000", nnodes=2, node_rank=1,
+    )  # fmt: skip
+    assert "--enable-memory-saver" not in cli
+    assert cli[cli.index("--dist-init-addr") + 1] == "10.0.0.1:5000"
+    assert cli[cli.index("--nnodes") + 1] == "2" and cli[cli.index("--node-rank") + 1] == "1"
+
+
+@pytest.mark.parametrize(
+    "field, hint", [("tp_size", "--rollout-num-gpus-per-engine"), ("model-path", "--hf-checkpoint"), ("port", "free")]
+)
+def test_sglang_server_args_refuse_managed_fields(field, hint):
+    args = Namespace(sglang_server_args={field: "x", "mem_fraction_static": 0.5})
+    with pytest.raises(ValueError) as error:
+        build_sglang_server_args(args, model_path="/m", host="h", port=1, tp_size=1, base_gpu_id=0, nccl_port=2)
+    assert f"--sglang-{field.replace('_', '-')}" in str(error.value)
+    assert hint in str(error.value)
+
+
+def test_cpu_engine_args_defaults_and_overrides():
+    assert build_cpu_engine_args(Namespace(), model_path="/m", host="127.0.0.1", port=5) == [
+        "--model-path", "/m", "--host", "127.0.0.1", "--port", "5",
+        "--max-running-requests", "32", "--num-threads", "1",
+    ]  # fmt: skip
+    args = Namespace(cpu_engine_max_running_requests=8, cpu_engine_num_threads=2, sglang_server_args={"x": 1})
+    cli = build_cpu_engine_args(args, model_path="/m", host="h", port=5)
+    assert cli[-4:] == ["--max-running-requests", "8", "--num-threads", "2"]
+
+
+@pytest.mark.gpu
+def test_sglang_server_args_parse_with_real_sglang():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    args = Namespace(sglang_server_args={"mem_fraction_static": 0.6, "cuda_graph_bs": [1, 2]}, offload_rollout=True)
+    cli = build_sglang_server_args(
+        args, model_path="/ckpt", host="127.0.0.1", port=30001, tp_size=2, base_gpu_id=1, nccl_port=30002
+    )
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parsed = parser.parse_args(cli)
+    assert (parsed.model_path, parsed.tp_size, parsed.base_gpu_id, parsed.port) == ("/ckpt", 2, 1, 30001)
+    assert parsed.mem_fraction_static == 0.6 and parsed.cuda_graph_bs == [1, 2] and parsed.enable_memory_saver
+
+
+# ---------------------------------------------------------------- HTTP helpers
+
+
+def test_find_free_port_is_bindable_unique_and_honours_exclude():
+    ports = [find_free_port() for _ in range(20)]
+    assert len(set(ports)) == 20  # one process never gets a port twice
+    assert all(PORT_RANGE[0] <= port < PORT_RANGE[1] for port in ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[-1]))
+    with pytest.raises(RuntimeError, match="no free port"):
+        find_free_port(exclude=set(range(*PORT_RANGE)))
+
+
+def test_wait_until_healthy_fails_fast_with_log_tail_when_process_exits(tmp_path):
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        lines = "; ".join(f"print('line {i}')" for i in range(80))
+        process = subprocess.Popen([sys.executable, "-c", f"{lines}; raise SystemExit(3)"], stdout=log)
+    url = f"http://127.0.0.1:{find_free_port()}/health"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        wait_until_healthy(url, timeout=60, process=process, log_path=log_path)
+    assert time.monotonic() - start < 30
+    message = str(error.value)
+    assert url in message and "code 3" in message
+    assert "line 79" in message and "line 30" in message and "line 29" not in message  # last 50 of 80 lines
+
+
+def test_wait_until_healthy_times_out_naming_url_and_timeout():
+    url = f"http://127.0.0.1:{find_free_port()}/health"
+    with pytest.raises(TimeoutError) as error:
+        wait_until_healthy(url, timeout=1, poll_interval=0.1)
+    assert url in str(error.value) and "1s" in str(error.value)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Answers POST /echo with the body it got and POST /reject with 422."""
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        status, reply = (200, body) if self.path == "/echo" else (422, b"field 'foo' is not allowed")
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve(port: int) -> http.server.ThreadingHTTPServer:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_post_json_and_async_post_json_report_status_and_body():
+    port = find_free_port()
+    server = _serve(port)
+    try:
+        assert post_json(f"http://127.0.0.1:{port}/echo", {"a": [1, 2]}) == {"a": [1, 2]}
+        with pytest.raises(HTTPRequestError) as error:
+            post_json(f"http://127.0.0.1:{port}/reject", {"foo": 1})
+        assert error.value.status == 422 and "field 'foo' is not allowed" in str(error.value)
+
+        async def call(path):
+            try:
+                return await async_post_json(f"http://127.0.0.1:{port}/{path}", {"b": 2})
+            finally:
+                await close_async_session()
+
+        assert asyncio.run(call("echo")) == {"b": 2}
+        with pytest.raises(HTTPRequestError) as error:
+            asyncio.run(call("reject"))
+        assert error.value.status == 422 and "/reject" in str(error.value)
+    finally:
+        server.shutdown()
+
+
+async def _post_echo(port: int, max_retries: int):
+    try:
+        return await async_post_json(
+            f"http://127.0.0.1:{port}/echo", {"x": 1}, max_retries=max_retries, retry_delay=0.05
+        )
+    finally:
+        await close_async_session()
+
+
+def test_async_post_json_gives_up_after_its_retries():
+    with pytest.raises(ConnectionError, match="2 attempts"):
+        asyncio.run(_post_echo(find_free_port(), max_retries=1))
+
+
+def test_async_post_json_retries_until_the_server_is_up():
+    port = find_free_port()
+    late_servers = []
+    starter = threading.Timer(0.5, lambda: late_servers.append(_serve(port)))
+    starter.start()
+    try:
+        # Backoff 0.05 * (1 + 2 + 4 + 8 + 16 + ...) s outlasts the 0.5 s the server takes to appear.
+        assert asyncio.run(_post_echo(port, max_retries=8)) == {"x": 1}
+    finally:
+        starter.join()
+        for server in late_servers:
+            server.shutdown()
+
+
+# ---------------------------------------------------------------- EngineClient against the real CPU engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    from slime.backends.sglang_utils.engine_actor import RolloutEngine
+
+    args = Namespace(hf_checkpoint=str(tiny_model_dir), server_log_dir=str(tmp_path_factory.mktemp("logs")))
+    engine = RolloutEngine(args, rank=0, backend="cpu")
+    engine.start(timeout=180)
+    yield engine
+    engine.shutdown()
+    assert not engine.is_alive()
+
+
+def _generate(engine, input_ids, max_new_tokens=4):
+    return engine.generate(
+        {
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+            "return_logprob": True,
+        }
+    )
+
+
+def test_health_info_and_generate(engine, tiny_model_dir):
+    assert engine.is_alive() and engine.health() and engine.health_generate()
+    assert engine.get_model_info()["model_path"] == str(tiny_model_dir)
+    assert isinstance(engine.get_server_info(), dict)
+    prompt = [5, 6, 7, 8]
+    response = _generate(engine, prompt)
+    meta = response["meta_info"]
+    assert meta["prompt_tokens"] == len(prompt)
+    assert meta["completion_tokens"] == len(response["output_ids"]) <= 4
+    assert [token for _, token, _ in meta["output_token_logprobs"]] == response["output_ids"]
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert isinstance(response["text"], str)
+
+
+def test_flush_abort_pause_continue(engine):
+    engine.flush_cache()
+    engine.abort_request(rid="no-such-request")
+    engine.abort_request(abort_all=True)
+    with pytest.raises(ValueError, match="rid"):
+        engine.abort_request()
+    engine.pause_generation()
+    engine.continue_generation()
+    assert _generate(engine, [1, 2, 3], max_new_tokens=2)["meta_info"]["completion_tokens"] >= 1
+
+
+def test_release_and_resume_memory(engine):
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    assert _generate(engine, [1, 2, 3], max_new_tokens=2)["meta_info"]["completion_tokens"] >= 1
+
+
+def _zeroed_model(tiny_model_dir):
+    """The tiny model with every weight set to 0: logits are all 0, so each output log-prob is -ln(vocab)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    return model
+
+
+def _assert_uniform_logprobs(response, vocab_size, expected_version):
+    uniform = -math.log(vocab_size)  # softmax of equal logits
+    logprobs = [logprob for logprob, _, _ in response["meta_info"]["output_token_logprobs"]]
+    assert logprobs and all(abs(lp - uniform) < 1e-4 for lp in logprobs)
+    assert response["meta_info"]["weight_version"] == expected_version
+
+
+def _assert_not_uniform(response, vocab_size):
+    logprobs = [logprob for logprob, _, _ in response["meta_info"]["output_token_logprobs"]]
+    assert any(abs(lp + math.log(vocab_size)) > 1e-3 for lp in logprobs)
+
+
+def test_update_weights_from_disk(engine, tiny_model_dir, tmp_path):
+    model = _zeroed_model(tiny_model_dir)
+    model.save_pretrained(tmp_path)
+    engine.update_weights_from_disk(str(tmp_path), weight_version="zeros")
+    _assert_uniform_logprobs(_generate(engine, [5, 6, 7]), model.config.vocab_size, "zeros")
+    engine.update_weights_from_disk(str(tiny_model_dir), weight_version="original")
+    response = _generate(engine, [5, 6, 7])
+    _assert_not_uniform(response, model.config.vocab_size)
+    assert response["meta_info"]["weight_version"] == "original"
+    with pytest.raises(HTTPRequestError):
+        engine.update_weights_from_disk(str(tmp_path / "missing"))
