@@ -5,16 +5,23 @@ from __future__ import annotations
 import asyncio
 import http.server
 import math
+import random
 import socket
 import subprocess
 import sys
 import threading
 import time
 from argparse import Namespace
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from slime.backends.sglang_utils.sglang_engine import build_cpu_engine_args, build_sglang_server_args
+from slime.backends.sglang_utils.sglang_engine import (
+    build_cpu_engine_args,
+    build_sglang_server_args,
+    drop_parser_defaults,
+    options_to_cli_args,
+)
 from slime.utils.http_utils import (
     PORT_RANGE,
     HTTPRequestError,
@@ -85,21 +92,52 @@ def test_cpu_engine_args_defaults_and_overrides():
     assert cli[-4:] == ["--max-running-requests", "8", "--num-threads", "2"]
 
 
-@pytest.mark.gpu
-def test_sglang_server_args_parse_with_real_sglang():
+def test_options_follow_the_target_parser():
     import argparse
 
-    from sglang.srt.server_args import ServerArgs
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--enable-x", action="store_true")
+    parser.add_argument("--no-cache", dest="cache", action="store_false")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--prefill", action="append", nargs="+")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[])
+    parser.add_argument("--level", default="info")
+    options = {"enable_x": True, "cache": False, "warmup": False, "prefill": [["http://a", "9000"], ["http://b"]],
+               "sizes": [1, 2], "level": "info", "not_in_parser": 3}  # fmt: skip
+    changed = drop_parser_defaults(options, parser)
+    assert "level" not in changed and changed["not_in_parser"] == 3
+    cli = options_to_cli_args(changed, parser)
+    assert cli == ["--enable-x", "--no-cache", "--no-warmup", "--prefill", "http://a", "9000", "--prefill",
+                   "http://b", "--sizes", "1", "2", "--not-in-parser", "3"]  # fmt: skip
+    # Round trip: the target parser reads back exactly the changed values, and defaults for the rest.
+    parsed = vars(parser.parse_args(cli[:-2]))
+    assert parsed == {"enable_x": True, "cache": False, "warmup": False, "prefill": [["http://a", "9000"], ["http://b"]],
+                      "sizes": [1, 2], "level": "info"}  # fmt: skip
 
-    args = Namespace(sglang_server_args={"mem_fraction_static": 0.6, "cuda_graph_bs": [1, 2]}, offload_rollout=True)
+
+@pytest.mark.gpu
+def test_sglang_server_args_parse_with_real_sglang():
+    from slime.backends.sglang_utils.sglang_engine import sglang_cli_parser
+    from slime.utils.arguments import SGLANG_MANAGED_FIELDS
+
+    parser = sglang_cli_parser()
+    # Shaped like slime's parser output: every unmanaged ServerArgs field at its default, plus the user's changes.
+    every_field = {
+        action.dest: action.default for action in parser._actions if action.dest not in SGLANG_MANAGED_FIELDS
+    }
+    user_changes = {"mem_fraction_static": 0.6, "cuda_graph_bs": [1, 2]}
+    args = Namespace(sglang_server_args=every_field | user_changes, offload_rollout=True)
     cli = build_sglang_server_args(
         args, model_path="/ckpt", host="127.0.0.1", port=30001, tp_size=2, base_gpu_id=1, nccl_port=30002
     )
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
     parsed = parser.parse_args(cli)
     assert (parsed.model_path, parsed.tp_size, parsed.base_gpu_id, parsed.port) == ("/ckpt", 2, 1, 30001)
     assert parsed.mem_fraction_static == 0.6 and parsed.cuda_graph_bs == [1, 2] and parsed.enable_memory_saver
+    # Unchanged defaults stay off the command line: only slime's fields and the two changes are there.
+    assert sorted(word for word in cli if word.startswith("--")) == sorted(
+        ["--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--nccl-port", "--nnodes", "--node-rank",
+         "--enable-memory-saver", "--mem-fraction-static", "--cuda-graph-bs"]
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- HTTP helpers
@@ -113,6 +151,18 @@ def test_find_free_port_is_bindable_unique_and_honours_exclude():
         sock.bind(("127.0.0.1", ports[-1]))
     with pytest.raises(RuntimeError, match="no free port"):
         find_free_port(exclude=set(range(*PORT_RANGE)))
+
+
+def test_find_free_port_ignores_the_global_random_seed():
+    # Every process of a run seeds `random` alike; concurrent engines must still probe from different ports.
+    random.seed(0)
+    first = find_free_port()
+    random.seed(0)
+    second = find_free_port()
+    random.seed(0)
+    third = find_free_port()
+    # With a seeded start, each call would probe upward from the same port and return neighbours.
+    assert not (second == first + 1 and third == second + 1)
 
 
 def test_wait_until_healthy_fails_fast_with_log_tail_when_process_exits(tmp_path):
@@ -300,3 +350,47 @@ def test_update_weights_from_disk(engine, tiny_model_dir, tmp_path):
     assert response["meta_info"]["weight_version"] == "original"
     with pytest.raises(HTTPRequestError):
         engine.update_weights_from_disk(str(tmp_path / "missing"))
+
+
+def test_update_weights_from_tensor(engine, tiny_model_dir):
+    from slime.backends.cpu_engine import serialize_named_tensors
+
+    model = _zeroed_model(tiny_model_dir)
+    payload = [serialize_named_tensors(list(model.state_dict().items()))]
+    engine.update_weights_from_tensor(payload, flush_cache=True, weight_version="tensor-zeros")
+    _assert_uniform_logprobs(_generate(engine, [9, 10]), model.config.vocab_size, "tensor-zeros")
+    with pytest.raises(HTTPRequestError) as error:
+        engine.update_weights_from_tensor(payload, load_format="flattened_bucket")
+    assert error.value.status == 400 and "load_format" in error.value.body
+    engine.update_weights_from_disk(str(tiny_model_dir), weight_version="original")
+    _assert_not_uniform(_generate(engine, [9, 10]), model.config.vocab_size)
+
+
+def test_update_weights_from_distributed_over_gloo(engine, tiny_model_dir):
+    from slime.backends.cpu_engine import broadcast_tensor, init_weight_update_group
+
+    model = _zeroed_model(tiny_model_dir)
+    named = list(model.state_dict().items())
+    port, group_name = find_free_port(), "test_weight_sync"
+    with ThreadPoolExecutor(1) as pool:
+        # The engine (rank 1) and this process (rank 0, the trainer) must join at the same time.
+        joined = pool.submit(engine.init_weights_update_group, "127.0.0.1", port, 1, 2, group_name, "gloo")
+        group = init_weight_update_group("127.0.0.1", port, 0, 2, group_name)
+        joined.result(timeout=60)
+        received = pool.submit(
+            engine.update_weights_from_distributed,
+            names=[name for name, _ in named],
+            dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in named],
+            shapes=[list(tensor.shape) for _, tensor in named],
+            group_name=group_name,
+            weight_version="dist-zeros",
+        )
+        for _, tensor in named:
+            broadcast_tensor(group, tensor, src=0)
+        received.result(timeout=60)
+    _assert_uniform_logprobs(_generate(engine, [11, 12]), model.config.vocab_size, "dist-zeros")
+    engine.destroy_weights_update_group(group_name)
+    with pytest.raises(HTTPRequestError, match="no weight update group"):
+        engine.destroy_weights_update_group(group_name)
+    engine.update_weights_from_disk(str(tiny_model_dir), weight_version="original")
+    _assert_not_uniform(_generate(engine, [11, 12]), model.config.vocab_size)

@@ -9,13 +9,26 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
-from slime.ray.router import add_worker, list_workers, remove_worker, start_router, wait_for_workers
+from slime.ray.router import (
+    add_worker,
+    list_workers,
+    remove_worker,
+    router_cli_parser,
+    start_router,
+    wait_for_workers,
+)
 from slime.utils.http_utils import find_free_port, get_json, post_json
 
 
 @pytest.fixture(scope="module")
 def log_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("server_logs")
+
+
+def _router_args(**changed):
+    """Like slime's parser: every RouterArgs field at sglang-router's default, plus what the user changed."""
+    defaults = {action.dest: action.default for action in router_cli_parser()._actions if action.dest != "help"}
+    return defaults | changed
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +38,7 @@ def router(log_dir):
         sglang_router_ip=None,
         sglang_router_port=None,
         sglang_router_request_timeout_secs=120,
-        router_args={"policy": "round_robin"},
+        router_args=_router_args(policy="round_robin"),
         server_log_dir=str(log_dir),
     )
     handle = start_router(args)
@@ -79,8 +92,19 @@ def test_router_spreads_generate_over_both_engines(router, engines):
     assert sorted(w["url"] for w in list_workers(router.url)) == sorted(e.url() for e in engines)
     versions = _generate_versions(router, num_requests=4)
     assert sorted(versions) == ["engine-0", "engine-0", "engine-1", "engine-1"]  # round robin over two
-    command_line = router.log_path.read_text().splitlines()[0]
-    assert "--policy round_robin" in command_line and "--prometheus-host 127.0.0.1" in command_line
+
+
+def test_router_command_line_has_changes_and_slime_defaults_only(router):
+    command = router.log_path.read_text().splitlines()[0].split()
+    launched = command[command.index("sglang_router.launch_router") + 1 :]
+    flags = [word for word in launched if word.startswith("--")]
+    assert sorted(flags) == sorted(
+        ["--host", "--port", "--prometheus-port", "--request-timeout-secs", "--disable-circuit-breaker",
+         "--disable-health-check", "--log-level", "--prometheus-host", "--policy"]
+    )  # fmt: skip
+    values = dict(zip(launched, launched[1:]))
+    assert values["--policy"] == "round_robin" and values["--request-timeout-secs"] == "120"
+    assert values["--host"] == values["--prometheus-host"] == "127.0.0.1" and values["--log-level"] == "warn"
 
 
 def test_removed_engine_gets_no_traffic(router, engines):
@@ -101,7 +125,7 @@ def test_wait_for_workers_names_missing_worker(router):
 
 def test_running_router_is_reused_not_launched(router):
     host, port = router.url.removeprefix("http://").split(":")
-    args = Namespace(sglang_router_ip=host, sglang_router_port=int(port), router_args={"policy": "random"})
+    args = Namespace(sglang_router_ip=host, sglang_router_port=int(port), router_args=_router_args(policy="random"))
     external = start_router(args)
     assert external.process is None and external.url == router.url
     external.stop()

@@ -87,7 +87,7 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger-than-default init so attention is far from uniform and RoPE/positional errors show in logits.
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.2)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -1,6 +1,6 @@
 """Show rollouts saved with `--save-debug-rollout-data`.
 
-    python tools/display_rollout_data.py outputs/rollout_0.pt --num 4
+python tools/display_rollout_data.py outputs/rollout_0.pt --num 4
 """
 
 from __future__ import annotations

@@ -105,8 +105,10 @@ def prepare_smollm2(output_dir: Path = DEFAULT_OUTPUT, force: bool = False) -> P
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
-    print(f"saved {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters to {output_dir} "
-          f"in {time.time() - start:.1f}s")
+    print(
+        f"saved {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters to {output_dir} "
+        f"in {time.time() - start:.1f}s"
+    )
     return output_dir
 
 

@@ -24,6 +24,7 @@ class PlacementSlice:
     pg: PlacementGroup | None
     bundle_indices: list[int] = field(default_factory=list)
     use_gpu: bool = False
+    gpu_ids: list[int] = field(default_factory=list)  # node-local GPU id of each bundle (GPU only)
 
     def __len__(self) -> int:
         return len(self.bundle_indices)
@@ -58,20 +59,24 @@ def _bundle_location() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else 0
 
 
-def _sorted_bundle_indices(pg: PlacementGroup, num_bundles: int, use_gpu: bool) -> list[int]:
-    """Bundle indices ordered by (node ip, GPU id), so ranks on one node get neighbouring GPUs."""
+def _sorted_bundles(pg: PlacementGroup, num_bundles: int, use_gpu: bool) -> tuple[list[int], list[int]]:
+    """Bundle indices ordered by (node ip, GPU id), so ranks on one node get neighbouring GPUs,
+    and the GPU id of each bundle in that order."""
     if not use_gpu:
-        return list(range(num_bundles))
+        return list(range(num_bundles)), []
     locations = ray.get(
         [
             _bundle_location.options(
                 num_gpus=0.01,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=i
+                ),
             ).remote()
             for i in range(num_bundles)
         ]
     )
-    return sorted(range(num_bundles), key=lambda i: locations[i])
+    order = sorted(range(num_bundles), key=lambda i: locations[i])
+    return order, [locations[i][1] for i in order]
 
 
 def create_placement_groups(args) -> dict[str, PlacementSlice]:
@@ -101,9 +106,14 @@ def create_placement_groups(args) -> dict[str, PlacementSlice]:
             f"Ray could not reserve {num_bundles} bundles of {bundle} within {timeout} s; cluster has "
             f"{ray.cluster_resources()}. Lower --actor-num-gpus-per-node / --rollout-num-gpus or add nodes."
         )
-    order = _sorted_bundle_indices(pg, num_bundles, use_gpu)
+    order, gpu_ids = _sorted_bundles(pg, num_bundles, use_gpu)
     logger.info("placement group: %d bundles of %s (colocate=%s)", num_bundles, bundle, args.colocate)
     return {
-        "actor": PlacementSlice(pg, order[:num_actor], use_gpu),
-        "rollout": PlacementSlice(pg, order[rollout_offset : rollout_offset + num_rollout], use_gpu),
+        "actor": PlacementSlice(pg, order[:num_actor], use_gpu, gpu_ids[:num_actor]),
+        "rollout": PlacementSlice(
+            pg,
+            order[rollout_offset : rollout_offset + num_rollout],
+            use_gpu,
+            gpu_ids[rollout_offset : rollout_offset + num_rollout],
+        ),
     }

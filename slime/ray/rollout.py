@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 import ray
 import torch
@@ -56,7 +57,10 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
         raw_rewards = [s.get_reward_value(args.reward_key) for s in samples]
         rewards = list(raw_rewards)
         estimator = args.advantage_estimator
-        if not args.disable_rewards_normalization and estimator in (*GROUP_NORMALIZED_ESTIMATORS, "reinforce_plus_plus_baseline"):
+        if not args.disable_rewards_normalization and estimator in (
+            *GROUP_NORMALIZED_ESTIMATORS,
+            "reinforce_plus_plus_baseline",
+        ):
             std_normalization = estimator in GROUP_NORMALIZED_ESTIMATORS and not args.disable_grpo_std_normalization
             rewards = normalize_group_rewards(
                 torch.tensor(raw_rewards, dtype=torch.float32), args.n_samples_per_prompt, std_normalization
@@ -73,7 +77,9 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
     }
     for s, mask in zip(samples, data["loss_masks"], strict=True):
         if len(mask) != s.response_length:
-            raise ValueError(f"sample {s.index}: loss_mask has {len(mask)} entries for {s.response_length} response tokens")
+            raise ValueError(
+                f"sample {s.index}: loss_mask has {len(mask)} entries for {s.response_length} response tokens"
+            )
     if all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [s.rollout_log_probs for s in samples]
     return data
@@ -146,24 +152,35 @@ class RolloutManager:
     def _start_engines(self, rollout_slice: PlacementSlice) -> None:
         args = self.args
         self.router = start_router(args)
-        args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
+        router_address = urlparse(self.router.url)
+        args.sglang_router_ip, args.sglang_router_port = router_address.hostname, router_address.port
         per_engine = args.rollout_num_gpus_per_engine
         num_engines = max(1, len(rollout_slice) // per_engine)
         engine_cls = ray.remote(RolloutEngine)
-        colocated_share = 0.2 if args.colocate else 1.0
+        # Colocated engines share each bundle with a trainer rank, so each takes a fraction of it.
+        share = 0.2 if args.colocate else 1.0
         for rank in range(num_engines):
-            resources = (
-                {"num_gpus": colocated_share, "num_cpus": colocated_share}
-                if rollout_slice.use_gpu
-                else {"num_cpus": colocated_share}
+            options: dict[str, Any] = {"num_cpus": share}
+            kwargs: dict[str, Any] = {"backend": args.rollout_backend}
+            if rollout_slice.use_gpu:
+                options |= {
+                    "num_gpus": share,
+                    "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+                }
+                kwargs["base_gpu_id"] = rollout_slice.gpu_ids[rank * per_engine]
+            if rollout_slice.pg is not None:
+                options["scheduling_strategy"] = rollout_slice.strategy(rank * per_engine)
+            self.engines.append(engine_cls.options(**options).remote(args, rank, **kwargs))
+        try:
+            self.engine_urls = ray.get(
+                [engine.start.remote(timeout=args.rollout_engine_start_timeout) for engine in self.engines]
             )
-            options = dict(resources, scheduling_strategy=rollout_slice.strategy(rank * per_engine)) if rollout_slice.pg else resources
-            self.engines.append(engine_cls.options(**options).remote(args, rank, backend=args.rollout_backend))
-        ray.get([engine.start.remote(timeout=args.rollout_engine_start_timeout) for engine in self.engines])
-        self.engine_urls = ray.get([engine.url.remote() for engine in self.engines])
-        for url in self.engine_urls:
-            add_worker(self.router.url, url)
-        wait_for_workers(self.router.url, self.engine_urls, timeout=args.rollout_engine_start_timeout)
+            for url in self.engine_urls:
+                add_worker(self.router.url, url)
+            wait_for_workers(self.router.url, self.engine_urls, timeout=args.rollout_engine_start_timeout)
+        except Exception:
+            self.dispose()
+            raise
         args.rollout_engine_urls = self.engine_urls
         logger.info("router %s with engines %s", self.router.url, self.engine_urls)
 

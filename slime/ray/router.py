@@ -8,51 +8,60 @@ What sglang-router 0.3.2 does (measured on this machine):
   workers are healthy. /list_workers does not exist in 0.3.x (404).
 - POST /workers {"url"} answers 202 with {"worker_id", "location": "/workers/<id>"} and adds the worker
   in the background (about 1-2 s: it probes the worker's /health, then /get_model_info). An unreachable
-  worker is retried for --worker-startup-timeout-secs and never shows up in GET /workers. Adding a
-  registered URL again returns the same worker_id and changes nothing.
+  worker is retried for --worker-startup-timeout-secs and never shows up in GET /workers. Posting a
+  registered URL again returns the same worker_id but still queues an add job, which re-adds the
+  worker if it is deleted before the job runs.
 - GET /workers -> {"workers": [{"id", "url", "is_healthy", "load", ...}], "total", "stats"}.
   GET /workers/<id> adds "job_status" while the add is in flight.
 - DELETE /workers/<id> answers 202 and removes it in the background; an unknown id answers 400.
 - /generate is forwarded with known SGLang fields only (unknown top-level fields are dropped, `rid`
-  is kept) and with defaults like "stream": false filled in. POST /flush_cache fans out to all workers.
+  is kept) and with these added, so a worker must accept them: "model": null, "stream": false,
+  "return_text_in_logprobs": false, "log_metrics": true, "return_hidden_states": false,
+  "background": false, "no_logs": false, "return_bytes": false, "return_entropy": false.
+  POST /flush_cache fans out to all workers.
 - The default policy is cache_aware (same prompt prefix -> same worker); `--router-policy round_robin`
   spreads identical prompts.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import logging
 import sys
 import time
-from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
 from typing import Any
 
 from slime.backends.sglang_utils.server_process import launch_server_process, server_log_path, stop_server_process
-from slime.backends.sglang_utils.sglang_engine import options_to_cli_args
+from slime.backends.sglang_utils.sglang_engine import drop_parser_defaults, options_to_cli_args
+from slime.utils.arguments import ROUTER_MANAGED_FIELDS
 from slime.utils.http_utils import HTTPRequestError, find_free_port, get_json, request_json, wait_until_healthy
 
 logger = logging.getLogger(__name__)
 
-# Router options slime sets unless `--router-<flag>` overrides them.
+# Router options slime sets unless a `--router-<flag>` changes them.
 DEFAULT_ROUTER_OPTIONS = {
     # A paused or weight-loading engine fails requests for a while; it must not be locked out afterwards.
     "disable_circuit_breaker": True,
-    # A runtime /health probe can time out while an engine loads weights; engines are watched by slime.
+    # A runtime /health probe can time out while an engine loads weights; slime watches its engines itself.
     "disable_health_check": True,
     # At "info" the router logs two lines per request.
     "log_level": "warn",
     "prometheus_host": "127.0.0.1",
 }
 
-# Router options slime derives from its own flags.
-MANAGED_ROUTER_FIELDS = {
-    "host": "--sglang-router-ip",
-    "port": "--sglang-router-port",
-    "request_timeout_secs": "--sglang-router-request-timeout-secs",
-}
+
+@functools.cache
+def router_cli_parser() -> argparse.ArgumentParser:
+    """sglang-router's own argument parser, without --host/--port (those come from --sglang-router-ip/port)."""
+    from sglang_router.router_args import RouterArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    RouterArgs.add_cli_args(parser, use_router_prefix=False, exclude_host_port=True)
+    return parser
 
 
 @dataclass
@@ -75,13 +84,14 @@ class RouterHandle:
             stop_server_process(self.process)
 
 
-def start_router(args: Namespace, startup_timeout: float = 60.0) -> RouterHandle:
+def start_router(args: argparse.Namespace, startup_timeout: float = 60.0) -> RouterHandle:
     """Use the router at `--sglang-router-ip/port` if one is up there, otherwise launch one.
 
     Args:
         args: Reads `sglang_router_ip`, `sglang_router_port` (a free port on 127.0.0.1 when unset),
             `sglang_router_request_timeout_secs` (default 14400) and `router_args` (dict of
-            `--router-<flag>` values forwarded as `--<flag>`). Sets `sglang_router_ip` and
+            `--router-<flag>` values forwarded as `--<flag>`; entries equal to sglang-router's own
+            defaults are dropped, so slime's defaults above apply). Sets `sglang_router_ip` and
             `sglang_router_port` to the router actually used, so the rollout can build its URL.
         startup_timeout: Seconds to wait for a launched router's /health.
 
@@ -89,13 +99,14 @@ def start_router(args: Namespace, startup_timeout: float = 60.0) -> RouterHandle
         A handle whose `stop()` ends the router if it was launched here.
 
     Raises:
-        ValueError: `router_args` sets a field slime manages.
+        ValueError: `router_args` sets a field slime manages (host, port).
         RuntimeError / TimeoutError: the launched router died or never became healthy (the error carries
             the end of its log).
     """
     host = getattr(args, "sglang_router_ip", None)
     port = getattr(args, "sglang_router_port", None)
-    router_options = dict(getattr(args, "router_args", None) or {})
+    parser = router_cli_parser()
+    router_options = drop_parser_defaults(getattr(args, "router_args", None) or {}, parser)
 
     if host and port and _is_healthy(f"http://{host}:{port}"):
         if router_options:
@@ -104,9 +115,9 @@ def start_router(args: Namespace, startup_timeout: float = 60.0) -> RouterHandle
             )
         return RouterHandle(url=f"http://{host}:{port}")
 
-    managed = sorted(set(router_options) & set(MANAGED_ROUTER_FIELDS))
+    managed = sorted(set(router_options) & set(ROUTER_MANAGED_FIELDS))
     if managed:
-        hints = "; ".join(f"--router-{f.replace('_', '-')}: use {MANAGED_ROUTER_FIELDS[f]}" for f in managed)
+        hints = "; ".join(f"--router-{f.replace('_', '-')}: use {ROUTER_MANAGED_FIELDS[f]}" for f in managed)
         raise ValueError(f"slime sets these router fields itself, remove them from the command line: {hints}")
 
     host = host or "127.0.0.1"
@@ -117,8 +128,9 @@ def start_router(args: Namespace, startup_timeout: float = 60.0) -> RouterHandle
         "prometheus_port": find_free_port("127.0.0.1", exclude={port}),
         "request_timeout_secs": getattr(args, "sglang_router_request_timeout_secs", 14400),
     }
+    # A changed --router-* value wins, --router-request-timeout-secs over --sglang-router-request-timeout-secs too.
     options |= DEFAULT_ROUTER_OPTIONS | router_options
-    command = [sys.executable, "-m", "sglang_router.launch_router", *options_to_cli_args(options)]
+    command = [sys.executable, "-m", "sglang_router.launch_router", *options_to_cli_args(options, parser)]
     log_path = server_log_path(args, f"router_{port}")
     process = launch_server_process(command, log_path)
     url = f"http://{host}:{port}"
@@ -148,9 +160,15 @@ def list_workers(router_url: str) -> list[dict[str, Any]]:
 def add_worker(router_url: str, worker_url: str) -> str:
     """Ask the router to add `worker_url`; the router adds it in the background (see `wait_for_workers`).
 
+    A URL the router already lists is left alone: posting it again would queue a background add job
+    that re-adds the worker if it is removed before the job runs.
+
     Returns:
         The router's id for the worker.
     """
+    for worker in list_workers(router_url):
+        if worker["url"].rstrip("/") == worker_url.rstrip("/"):
+            return worker["id"]
     response = request_json("POST", f"{router_url}/workers", {"url": worker_url})
     return response["worker_id"]
 

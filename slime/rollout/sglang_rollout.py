@@ -266,7 +266,11 @@ async def _generate_eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
         for prompt_index, prompt_sample in enumerate(dataset.samples):
             for k in range(args.n_samples_per_eval_prompt):
                 s = copy.deepcopy(prompt_sample)
-                s.index, s.group_index, s.rollout_id = prompt_index * args.n_samples_per_eval_prompt + k, prompt_index, rollout_id
+                s.index, s.group_index, s.rollout_id = (
+                    prompt_index * args.n_samples_per_eval_prompt + k,
+                    prompt_index,
+                    rollout_id,
+                )
                 samples.append(s)
         tasks = [generate_and_rm(args, s, sampling_params, evaluation=True) for s in samples]
         results = []

@@ -11,6 +11,8 @@ Requests. The sync helpers use urllib (no extra dependency) and are for control 
 helper shares one aiohttp session per event loop so thousands of concurrent /generate calls reuse
 connections. Both retry only when the connection itself failed (the request never reached a server,
 or the server went away mid-request) and raise `HTTPRequestError` with the status and body otherwise.
+Neither goes through an http_proxy from the environment (aiohttp ignores it by default, urllib is told
+to), since engines and routers are internal addresses.
 """
 
 from __future__ import annotations
@@ -32,8 +34,14 @@ import aiohttp
 
 PORT_RANGE = (10000, 32768)
 
+# OS entropy, not the global `random`: training code seeds that identically in every process, which would
+# send concurrent engines probing from the same port.
+_port_rng = random.SystemRandom()
 _reserved_ports: set[int] = set()
 _reserved_lock = threading.Lock()
+
+# Engines and routers are internal addresses: never send their traffic through an http_proxy from the env.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 # Statuses that mean "nobody handled this request": the router has no healthy worker, or a proxy hop failed.
 RETRYABLE_STATUSES = {502, 503}
@@ -69,7 +77,7 @@ def find_free_port(host: str = "127.0.0.1", exclude: set[int] | frozenset[int] =
     """
     low, high = PORT_RANGE
     span = high - low
-    start = random.randrange(span)
+    start = _port_rng.randrange(span)
     with _reserved_lock:
         for offset in range(span):
             port = low + (start + offset) % span
@@ -103,7 +111,9 @@ def _log_tail_section(log_path: str | Path | None) -> str:
     if log_path is None:
         return ""
     tail = tail_file(log_path)
-    return f"\n--- last lines of {log_path} ---\n{tail}--- end of log ---" if tail else f"\n(log {log_path} is empty)"
+    if not tail:
+        return f"\n(log {log_path} is empty)"
+    return f"\n--- last lines of {log_path} ---\n{tail.rstrip()}\n--- end of log ---"
 
 
 def wait_until_healthy(
@@ -134,7 +144,7 @@ def wait_until_healthy(
                 f"became healthy{_log_tail_section(log_path)}"
             )
         try:
-            with urllib.request.urlopen(url, timeout=min(5.0, timeout)) as response:
+            with _opener.open(url, timeout=min(5.0, timeout)) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -189,7 +199,7 @@ def request_json(
     while True:
         request = urllib.request.Request(url, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
+            with _opener.open(request, timeout=timeout) as response:
                 return _decode_body(response.read())
         except urllib.error.HTTPError as e:
             error = HTTPRequestError(method, url, e.code, e.read().decode("utf-8", errors="replace"))

@@ -32,3 +32,17 @@ async def maybe_await(value: Any) -> Any:
     if inspect.isawaitable(value):
         return await value
     return value
+
+
+def should_run_periodic_action(
+    rollout_id: int, interval: int | None, num_rollout_per_epoch: int | None = None, num_rollout: int | None = None
+) -> bool:
+    """True after every `interval` rollouts, at each epoch end and, when `num_rollout` is given, at the last rollout.
+
+    Nothing runs when `interval` is None (the flag was not set).
+    """
+    if not interval:
+        return False
+    done = rollout_id + 1
+    end_of_epoch = bool(num_rollout_per_epoch) and done % num_rollout_per_epoch == 0
+    return done % interval == 0 or end_of_epoch or done == num_rollout

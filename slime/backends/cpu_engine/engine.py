@@ -47,6 +47,7 @@ class CpuEngine:
         context_length: Longest prompt + output; defaults to the config's `max_position_embeddings`.
         random_seed: Seeds torch's generator, used by requests without `sampling_seed`.
         num_threads: torch intra-op threads for the worker; None leaves torch's setting alone.
+        tokenizer_path: Tokenizer folder when it is not `model_path`.
     """
 
     def __init__(
@@ -58,13 +59,19 @@ class CpuEngine:
         context_length: int | None = None,
         random_seed: int = 0,
         num_threads: int | None = None,
+        tokenizer_path: str | Path | None = None,
     ):
+        if not Path(model_path).is_dir():
+            raise ValueError(
+                f"model_path {str(model_path)!r} is not a local directory; the CPU engine loads HF folders"
+            )
         self.model_path = str(Path(model_path).resolve())
+        self.tokenizer_path = str(Path(tokenizer_path).resolve()) if tokenizer_path else self.model_path
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.num_threads = num_threads
         torch.manual_seed(random_seed)
-        self.model, self.tokenizer = weights.load_model(self.model_path, dtype)
+        self.model, self.tokenizer = weights.load_model(self.model_path, dtype, tokenizer_path)
         config = self.model.config
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.context_length = context_length or getattr(config, "max_position_embeddings", None) or 4096
@@ -76,9 +83,9 @@ class CpuEngine:
 
         self._targets = weights.weight_targets(self.model)
         # A file or folder that holds exactly the live weights, reloaded by resume; None once they drift.
-        loaded = set().union(*(_names_in(f) for f in weights.safetensors_files(self.model_path)))
+        on_disk = weights.safetensors_names(self.model_path)
         self._weights_source: str | None = (
-            self.model_path if not weights.parameters_missing_from(self.model, loaded) else None
+            self.model_path if not weights.parameters_missing_from(self.model, on_disk) else None
         )
         self._scratch_dir: str | None = None
         self._released_layout: dict | None = None
@@ -91,7 +98,6 @@ class CpuEngine:
         self._stopping = False
         self._abort_signal = False
         self._batch: batching.RunningBatch | None = None
-        self._num_running = 0
         self._thread = threading.Thread(target=self._worker, name="cpu-engine-worker", daemon=True)
         self._thread.start()
 
@@ -112,6 +118,8 @@ class CpuEngine:
             RequestError: 503 while the weights are released, 400 when a `rid` is already in flight.
         """
         with self._cond:
+            if self._stopping:
+                raise RequestError("the engine is shutting down", status=503)
             if self.released:
                 raise RequestError(
                     "the engine's weights are released (/release_memory_occupation); "
@@ -322,9 +330,7 @@ class CpuEngine:
     def _advance(self, batch: batching.RunningBatch, logits: torch.Tensor) -> batching.RunningBatch | None:
         """Sample one token per row, record it, and return the batch without the rows that finished."""
         requests = batch.requests
-        banned = [
-            self._stop_token_ids(r) if len(r.output_ids) < r.params.min_new_tokens else [] for r in requests
-        ]
+        banned = [self._stop_token_ids(r) if len(r.output_ids) < r.params.min_new_tokens else [] for r in requests]
         tokens, log_probs = sample_next_tokens(
             logits, [r.params for r in requests], [r.generator for r in requests], banned
         )
@@ -378,7 +384,6 @@ class CpuEngine:
 
     def _set_batch(self, batch: batching.RunningBatch | None) -> None:
         self._batch = batch
-        self._num_running = len(batch) if batch is not None else 0
 
     def _finish(self, request: GenerationRequest, reason: dict[str, Any]) -> None:
         with self._cond:
@@ -387,7 +392,10 @@ class CpuEngine:
         request.weight_version = self.weight_version
         request.finish_time = time.time()
         if request.on_finish is not None:
-            request.on_finish(request)
+            try:
+                request.on_finish(request)
+            except Exception:
+                logger.exception("on_finish of request %s failed", request.rid)
 
     def _require_weights(self, action: str) -> None:
         if self.released:
@@ -411,13 +419,19 @@ class CpuEngine:
                     f"cannot release memory with {len(self._active)} request(s) in flight; "
                     "abort them (/abort_request with abort_all) or wait for them first"
                 )
+            # Mark released now (submit refuses from here on); the layout is filled in below.
+            self._released_layout = {}
+        try:
             if self._weights_source is None:
                 if self._scratch_dir is None:
                     self._scratch_dir = tempfile.mkdtemp(prefix="slime-cpu-engine-")
                 snapshot = Path(self._scratch_dir) / "released-weights.safetensors"
                 weights.save_weights(self.model, snapshot)
                 self._weights_source = str(snapshot)
-            self._released_layout = weights.free_parameters(self.model)
+        except Exception:
+            self._released_layout = None
+            raise
+        self._released_layout = weights.free_parameters(self.model)
 
     def _resume(self) -> None:
         if not self.released:
@@ -438,13 +452,6 @@ class CpuEngine:
 
 def _abort_reason(message: str = "aborted") -> dict[str, Any]:
     return {"type": "abort", "message": message}
-
-
-def _names_in(safetensors_file: Path) -> set[str]:
-    from safetensors import safe_open
-
-    with safe_open(safetensors_file, framework="pt") as reader:
-        return set(reader.keys())
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:

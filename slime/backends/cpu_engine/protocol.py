@@ -2,8 +2,9 @@
 
 Only what this engine implements is accepted. SGLang fields that would change the result
 but are not implemented here (streaming, multimodal inputs, LoRA, penalties, grammars,
-top-logprobs) are rejected with HTTP 400 unless they carry their neutral value; fields that
-only steer SGLang's own scheduling or logging are ignored.
+top-logprobs) are rejected with HTTP 400 unless they carry their neutral value. Other
+top-level fields are ignored, as SGLang does: sglang-router re-serializes every request and
+adds its own (`model`, `return_bytes`, ...). Unknown *sampling* parameters are refused, as in SGLang.
 """
 
 from __future__ import annotations
@@ -179,29 +180,6 @@ def _parse_field(name: str, value: Any, vocab_size: int) -> Any:
     raise AssertionError(f"unhandled sampling field {name}")
 
 
-# Top-level /generate fields that only steer SGLang's scheduling, routing or logging.
-_IGNORED_FIELDS = {
-    "log_metrics",
-    "data_parallel_rank",
-    "routed_dp_rank",
-    "priority",
-    "extra_key",
-    "cache_salt",
-    "no_logs",
-    "custom_labels",
-    "conversation_id",
-    "routing_key",
-    "session_id",
-    "received_time",
-    "external_trace_header",
-    "http_worker_ipc",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "bootstrap_pair_key",
-    "decode_tp_size",
-    "disagg_prefill_dp_rank",
-}
 # Top-level fields that ask for features this engine does not have, unless left at their default.
 _UNSUPPORTED_FIELDS = {
     "stream",
@@ -220,15 +198,7 @@ _UNSUPPORTED_FIELDS = {
     "top_logprobs_num",
     "token_ids_logprob",
     "background",
-}
-_SUPPORTED_FIELDS = {
-    "text",
-    "input_ids",
-    "sampling_params",
-    "rid",
-    "return_logprob",
-    "logprob_start_len",
-    "return_text_in_logprobs",
+    "return_bytes",
 }
 
 
@@ -252,14 +222,9 @@ def parse_generate_request(
     """
     if not isinstance(body, dict):
         raise RequestError("the /generate body must be a JSON object")
-    for name, value in body.items():
-        if name in _SUPPORTED_FIELDS or name in _IGNORED_FIELDS:
-            continue
-        if name in _UNSUPPORTED_FIELDS:
-            if value in (None, False, 0, [], {}, ""):
-                continue
+    for name in _UNSUPPORTED_FIELDS:
+        if body.get(name) not in (None, False, 0, [], {}, ""):
             raise RequestError(f"field '{name}' is not supported by the CPU engine; omit it")
-        raise RequestError(f"unknown field '{name}' in the /generate request")
 
     prompts, is_batch = _parse_prompts(body, tokenizer, vocab_size)
     count = len(prompts)
@@ -326,9 +291,9 @@ def _parse_prompts(body: dict, tokenizer, vocab_size: int) -> tuple[list[list[in
         where = f"input_ids[{i}]" if is_batch else "input_ids"
         if not isinstance(ids, list) or not ids:
             raise RequestError(f"{where} must be a non-empty list of token ids")
-        bad = next((t for t in ids if not _is_int(t) or not 0 <= t < vocab_size), None)
-        if bad is not None or any(not _is_int(t) for t in ids):
-            raise RequestError(f"{where} holds {bad!r}, which is not a token id in [0, {vocab_size})")
+        bad = [t for t in ids if not (_is_int(t) and 0 <= t < vocab_size)]
+        if bad:
+            raise RequestError(f"{where} holds {bad[0]!r}, which is not a token id in [0, {vocab_size})")
     return prompts, is_batch
 
 
@@ -339,7 +304,9 @@ def _per_item(body: dict, name: str, count: int, is_batch: bool, default: Any, k
         return [default] * count
     if is_batch and isinstance(value, list):
         if len(value) != count:
-            raise RequestError(f"{name} has {len(value)} entries for {count} prompts; give one per prompt or one for all")
+            raise RequestError(
+                f"{name} has {len(value)} entries for {count} prompts; give one per prompt or one for all"
+            )
         items = value
     else:
         items = [value] * count

@@ -56,32 +56,63 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
 
-def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
-    """Mask (to -inf) the tokens top-k / top-p / min-p leave out, row by row.
+# Top-k / top-p look at this many most likely tokens first; a full sort only when they are not enough.
+_CANDIDATES = 256
+
+
+def keep_mask(probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Which tokens top-k / top-p / min-p leave in, row by row.
+
+    Top-p keeps the most likely tokens until the mass *before* a token reaches `top_p`, so the
+    most likely token always stays. Instead of sorting the whole vocabulary, top-k / top-p run
+    on the `_CANDIDATES` most likely tokens, which is exact whenever those hold at least `top_p`
+    of the mass; only the other rows get a full sort.
 
     Args:
-        logits: (rows, vocab) temperature-scaled logits.
+        probs: (rows, vocab) probabilities.
         top_k: Per row; values <= 0 keep everything.
         top_p: Per row, in (0, 1].
         min_p: Per row, in [0, 1].
 
     Returns:
-        A new (rows, vocab) tensor; the most likely token of every row always survives.
+        (rows, vocab) bool mask of kept tokens.
     """
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab).expand_as(sorted_logits)
-    k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(-1)
-    drop = rank >= k
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token once the mass strictly before it already reaches top_p.
-    mass_before = probs.cumsum(dim=-1) - probs
-    # top_p == 1 must keep the whole tail even when rounding pushes the running mass past 1.
-    drop |= mass_before >= torch.tensor([p if p < 1.0 else float("inf") for p in top_p]).unsqueeze(-1)
-    drop |= probs < torch.tensor(min_p).unsqueeze(-1) * probs[:, :1]
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    rows, vocab = probs.shape
+    keep = probs >= torch.tensor(min_p).unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
+    ranked = [r for r in range(rows) if top_k[r] > 0 or top_p[r] < 1.0]
+    if ranked:
+        width = min(vocab, max(_CANDIDATES, *(top_k[r] for r in ranked)))
+        top_probs, top_ids = probs[ranked].topk(width, dim=-1)
+        mass = top_probs.sum(dim=-1).tolist()
+        covered = [i for i, r in enumerate(ranked) if top_p[r] >= 1.0 or mass[i] >= top_p[r] or width == vocab]
+        uncovered = [i for i in range(len(ranked)) if i not in set(covered)]
+        if covered:
+            rows_in = [ranked[i] for i in covered]
+            keep[rows_in] &= _rank_filter(top_probs[covered], top_ids[covered], rows_in, top_k, top_p, vocab)
+        if uncovered:
+            rows_in = [ranked[i] for i in uncovered]
+            sorted_probs, sorted_ids = probs[rows_in].sort(dim=-1, descending=True)
+            keep[rows_in] &= _rank_filter(sorted_probs, sorted_ids, rows_in, top_k, top_p, vocab)
+    keep[torch.arange(rows), probs.argmax(dim=-1)] = True
+    return keep
+
+
+def _rank_filter(
+    sorted_probs: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    rows: list[int],
+    top_k: list[int],
+    top_p: list[float],
+    vocab: int,
+) -> torch.Tensor:
+    """Top-k / top-p on probabilities sorted in descending order; returns a (len(rows), vocab) mask."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # top_p == 1 keeps the whole tail even when rounding pushes the running mass past 1.
+    limit_p = torch.tensor([top_p[r] if top_p[r] < 1.0 else float("inf") for r in rows]).unsqueeze(-1)
+    limit_k = torch.tensor([top_k[r] if top_k[r] > 0 else vocab for r in rows]).unsqueeze(-1)
+    ranks = torch.arange(sorted_probs.shape[-1]).unsqueeze(0)
+    kept = (mass_before < limit_p) & (ranks < limit_k)
+    return torch.zeros(len(rows), vocab, dtype=torch.bool).scatter(-1, sorted_ids, kept)
 
 
 def sample_next_tokens(
@@ -91,6 +122,9 @@ def sample_next_tokens(
     banned_token_ids: list[list[int]],
 ) -> tuple[list[int], list[float]]:
     """Pick one token per row and report its log-prob (see the module docstring for the convention).
+
+    Sampling inverts the cumulative distribution at one uniform draw per row, so a request with
+    its own generator consumes exactly one number per token, whatever else is in the batch.
 
     Args:
         logits: (rows, vocab) raw next-token logits.
@@ -106,32 +140,32 @@ def sample_next_tokens(
     scaled = logits / temperatures
     log_probs = scaled.log_softmax(dim=-1)
 
-    draw_logits = scaled
     if any(banned_token_ids):
-        draw_logits = draw_logits.clone()
+        scaled = scaled.clone()
         for row, banned in enumerate(banned_token_ids):
             if banned:
-                draw_logits[row, banned] = float("-inf")
-    filtered_rows = [row for row, p in enumerate(params) if p.needs_filtering]
-    if filtered_rows:
-        draw_logits = draw_logits.clone()
-        draw_logits[filtered_rows] = filter_logits(
-            draw_logits[filtered_rows],
-            [params[row].top_k for row in filtered_rows],
-            [params[row].top_p for row in filtered_rows],
-            [params[row].min_p for row in filtered_rows],
-        )
-
-    tokens = draw_logits.argmax(dim=-1)
-    sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        probs = draw_logits[sampled_rows].softmax(dim=-1)
-        shared = [i for i, row in enumerate(sampled_rows) if generators[row] is None]
-        if shared:
-            tokens[[sampled_rows[i] for i in shared]] = torch.multinomial(probs[shared], 1).squeeze(-1)
-        for i, row in enumerate(sampled_rows):
+                scaled[row, banned] = float("-inf")
+    tokens = scaled.argmax(dim=-1)
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled:
+        probs = scaled[sampled].softmax(dim=-1)
+        filtered = [i for i, row in enumerate(sampled) if params[row].needs_filtering]
+        if filtered:
+            mask = keep_mask(
+                probs[filtered],
+                [params[sampled[i]].top_k for i in filtered],
+                [params[sampled[i]].top_p for i in filtered],
+                [params[sampled[i]].min_p for i in filtered],
+            )
+            probs[filtered] = probs[filtered].masked_fill(~mask, 0.0)
+        cdf = probs.double().cumsum(dim=-1)
+        uniforms = torch.rand(len(sampled), dtype=torch.float64)
+        for i, row in enumerate(sampled):
             if generators[row] is not None:
-                tokens[row] = torch.multinomial(probs[i], 1, generator=generators[row])[0]
+                uniforms[i] = torch.rand(1, dtype=torch.float64, generator=generators[row])[0]
+        # First token whose cumulative mass exceeds the draw; it always has non-zero probability.
+        picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        tokens[sampled] = picks.clamp(max=probs.shape[-1] - 1)
 
     token_log_probs = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens.tolist(), token_log_probs.tolist()

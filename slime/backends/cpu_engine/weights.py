@@ -23,7 +23,6 @@ import ctypes
 import datetime
 import gc
 import io
-import json
 import pickle
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
@@ -37,7 +36,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32):
+def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None):
     """Load a HF causal LM and its tokenizer for inference on CPU.
 
     The parameters are copied out of the memory-mapped checkpoint, so later writes to the
@@ -46,6 +45,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32):
     Args:
         model_path: A local HF folder with safetensors weights.
         dtype: Parameter dtype; float32 on CPUs without fast bf16.
+        tokenizer_path: Folder of the tokenizer when it is not `model_path`.
 
     Returns:
         (model in eval mode, tokenizer).
@@ -54,7 +54,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32):
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
     return model, tokenizer
 
 
@@ -91,19 +91,30 @@ def copy_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tup
 
 
 def safetensors_files(model_path: str | Path) -> list[Path]:
-    """The `*.safetensors` files of a HF folder; ValueError naming the folder when there are none."""
-    folder = Path(model_path)
-    if not folder.is_dir():
-        raise ValueError(f"model_path {str(model_path)!r} is not a directory")
-    files = sorted(folder.glob("*.safetensors"))
+    """The `*.safetensors` files of a HF folder (or the file itself); ValueError naming the path when none."""
+    path = Path(model_path)
+    if path.is_file() and path.suffix == ".safetensors":
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"model_path {str(model_path)!r} is neither a directory nor a .safetensors file")
+    files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model_path {str(model_path)!r} holds no *.safetensors files")
     return files
 
 
+def safetensors_names(model_path: str | Path) -> set[str]:
+    """Names of all tensors stored under `model_path` (read from the headers only)."""
+    names: set[str] = set()
+    for file in safetensors_files(model_path):
+        with safe_open(file, framework="pt") as reader:
+            names.update(reader.keys())
+    return names
+
+
 @torch.no_grad()
 def load_safetensors_folder(targets: dict[str, torch.Tensor], model_path: str | Path) -> set[str]:
-    """Copy every tensor of a HF safetensors folder into the parameter of the same name.
+    """Copy every tensor of a HF safetensors folder (or one file) into the parameter of the same name.
 
     Names and shapes are all checked first, so a bad folder changes nothing.
 
@@ -263,7 +274,3 @@ def parse_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype name such as 'float32' or 'bfloat16'")
     return dtype
-
-
-def read_config_json(model_path: str | Path) -> dict:
-    return json.loads((Path(model_path) / "config.json").read_text())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -73,7 +74,7 @@ class RolloutEngine(EngineClient):
         self.nnodes = nnodes
         self.node_rank = node_rank
         self.dist_init_addr = dist_init_addr
-        self.process = None
+        self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
         super().__init__(f"http://{host}:{self.port}")
 
@@ -106,7 +107,7 @@ class RolloutEngine(EngineClient):
             wait_until_healthy(f"{self.base_url}/health", timeout, process=self.process, log_path=self.log_path)
         except (RuntimeError, TimeoutError) as e:
             self.shutdown()
-            raise type(e)(f"{self.backend} engine {self.rank} serving {self.model_path} failed to start: {e}") from e
+            raise type(e)(f"{self.backend} engine {self.rank} for model {self.model_path} failed to start: {e}") from e
         return self.base_url
 
     def _server_command(self) -> tuple[list[str], dict[str, str]]:

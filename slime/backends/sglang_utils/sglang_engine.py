@@ -2,62 +2,103 @@
 `python -m slime.backends.cpu_engine` (CPU). Both serve SGLang's HTTP API, so nothing else differs.
 
 `--sglang-<flag> value` on slime's command line lands in `args.sglang_server_args` as {"<flag>": value}
-and is forwarded to every SGLang server as `--<flag> value`. The fields that depend on where an engine
-is placed (model path, ports, GPUs, nodes) are slime's to set; passing one of them raises.
+and is forwarded to every SGLang server as `--<flag> value`. With sglang installed that dict holds every
+ServerArgs field, defaults included, so only values that differ from SGLang's own CLI defaults are
+passed on, each in the form its argparse action expects. The fields that depend on where an engine is
+placed (model path, ports, GPUs, nodes) are slime's to set; passing one of them raises.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import logging
-from argparse import Namespace
 from typing import Any
+
+from slime.utils.arguments import SGLANG_MANAGED_FIELDS
 
 logger = logging.getLogger(__name__)
 
-# SGLang ServerArgs fields slime sets per engine, with the slime flag a user should use instead.
-MANAGED_SGLANG_FIELDS = {
-    "model_path": "--hf-checkpoint",
-    "tp_size": "--rollout-num-gpus-per-engine",
-    "port": "nothing (slime picks a free port per engine)",
-    "host": "nothing (engines bind to their node's address)",
-    "base_gpu_id": "nothing (slime places engines on the GPUs Ray assigns)",
-    "nccl_port": "nothing (slime picks a free port per engine)",
-    "dist_init_addr": "nothing (slime sets it for multi-node engines)",
-    "nnodes": "--rollout-num-gpus-per-engine (an engine spans nodes when it exceeds --num-gpus-per-node)",
-    "node_rank": "nothing (slime sets it for multi-node engines)",
-    "enable_memory_saver": "--offload-rollout",
-}
 
-
-def options_to_cli_args(options: dict[str, Any]) -> list[str]:
+def options_to_cli_args(options: dict[str, Any], parser: argparse.ArgumentParser | None = None) -> list[str]:
     """Turn {"field_name": value} into ["--field-name", "value", ...] for an argparse-based CLI.
 
     Args:
         options: Field names (underscores or dashes) to values. True becomes a bare flag; False and None
             are left out; lists become several values after one flag; dicts are passed as JSON.
+        parser: The target program's parser, when importable: booleans and repeated options then follow
+            each field's action (`store_false`, `--x/--no-x`, `append`).
 
     Returns:
         The argument list, in the order of `options`.
     """
+    actions = {action.dest: action for action in parser._actions} if parser is not None else {}
     cli_args = []
     for field, value in options.items():
-        flag = "--" + field.replace("_", "-")
-        if value is None or value is False:
+        field = field.replace("-", "_")
+        action = actions.get(field)
+        flag = _long_option(action) if action is not None else "--" + field.replace("_", "-")
+        if isinstance(value, bool):
+            if isinstance(action, argparse.BooleanOptionalAction):
+                cli_args.append(flag if value else "--no-" + flag.removeprefix("--"))
+            elif isinstance(action, argparse._StoreFalseAction):
+                if not value:
+                    cli_args.append(flag)
+            elif value:
+                cli_args.append(flag)
+        elif value is None:
             continue
-        if value is True:
-            cli_args.append(flag)
-        elif isinstance(value, list | tuple):
-            cli_args += [flag, *(str(item) for item in value)]
-        elif isinstance(value, dict):
-            cli_args += [flag, json.dumps(value)]
+        elif isinstance(action, argparse._AppendAction):
+            for item in value:
+                cli_args += [flag, *_cli_values(item)]
         else:
-            cli_args += [flag, str(value)]
+            cli_args += [flag, *_cli_values(value)]
     return cli_args
 
 
+def drop_parser_defaults(options: dict[str, Any], parser: argparse.ArgumentParser | None) -> dict[str, Any]:
+    """The options whose value differs from `parser`'s default (all of them when there is no parser).
+
+    slime's argument parser stores every field of SGLang's ServerArgs / sglang-router's RouterArgs, given
+    or not; only the ones a user changed should reach the command line.
+    """
+    if parser is None:
+        return dict(options)
+    defaults = {action.dest: action.default for action in parser._actions}
+    return {
+        field: value
+        for field, value in options.items()
+        if field.replace("-", "_") not in defaults or value != defaults[field.replace("-", "_")]
+    }
+
+
+def _long_option(action: argparse.Action) -> str:
+    return next(option for option in action.option_strings if option.startswith("--"))
+
+
+def _cli_values(value: Any) -> list[str]:
+    if isinstance(value, list | tuple):
+        return [str(item) for item in value]
+    if isinstance(value, dict):
+        return [json.dumps(value)]
+    return [str(value)]
+
+
+@functools.cache
+def sglang_cli_parser() -> argparse.ArgumentParser | None:
+    """`sglang.launch_server`'s argument parser, or None where sglang is not installed (CPU machines)."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError:
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
 def build_sglang_server_args(
-    args: Namespace,
+    args: argparse.Namespace,
     *,
     model_path: str,
     host: str,
@@ -91,9 +132,9 @@ def build_sglang_server_args(
         ValueError: A `--sglang-*` flag tries to set a field slime manages.
     """
     user_options = _normalized_options(getattr(args, "sglang_server_args", None) or {})
-    managed = sorted(set(user_options) & set(MANAGED_SGLANG_FIELDS))
+    managed = sorted(set(user_options) & set(SGLANG_MANAGED_FIELDS))
     if managed:
-        hints = "; ".join(f"--sglang-{f.replace('_', '-')}: use {MANAGED_SGLANG_FIELDS[f]}" for f in managed)
+        hints = "; ".join(f"--sglang-{f.replace('_', '-')}: use {SGLANG_MANAGED_FIELDS[f]}" for f in managed)
         raise ValueError(f"slime sets these SGLang server fields itself, remove them from the command line: {hints}")
 
     slime_options = {
@@ -108,10 +149,11 @@ def build_sglang_server_args(
         "node_rank": node_rank,
         "enable_memory_saver": bool(getattr(args, "offload_rollout", False)),
     }
-    return options_to_cli_args(slime_options) + options_to_cli_args(user_options)
+    parser = sglang_cli_parser()
+    return options_to_cli_args(slime_options) + options_to_cli_args(drop_parser_defaults(user_options, parser), parser)
 
 
-def build_cpu_engine_args(args: Namespace, *, model_path: str, host: str, port: int) -> list[str]:
+def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: str, port: int) -> list[str]:
     """Arguments for `python -m slime.backends.cpu_engine` for one engine.
 
     Args:
@@ -125,7 +167,7 @@ def build_cpu_engine_args(args: Namespace, *, model_path: str, host: str, port: 
     Returns:
         The argument list (without the `python -m slime.backends.cpu_engine` prefix).
     """
-    ignored = getattr(args, "sglang_server_args", None) or {}
+    ignored = drop_parser_defaults(getattr(args, "sglang_server_args", None) or {}, sglang_cli_parser())
     if ignored:
         logger.warning("the CPU engine ignores these --sglang-* flags: %s", ", ".join(sorted(ignored)))
     return options_to_cli_args(
@@ -139,7 +181,7 @@ def build_cpu_engine_args(args: Namespace, *, model_path: str, host: str, port: 
     )
 
 
-def cpu_engine_num_threads(args: Namespace) -> int:
+def cpu_engine_num_threads(args: argparse.Namespace) -> int:
     """Torch/OpenMP threads for one CPU engine process (`args.cpu_engine_num_threads`, default 1)."""
     return int(getattr(args, "cpu_engine_num_threads", 1))
 

