@@ -15,7 +15,7 @@ OUT=outputs/quickstart-grpo
 ARGS=(
     --hf-checkpoint "$MODEL"
     --prompt-data data/addition/train.jsonl --input-key prompt --label-key label --apply-chat-template
-    --rm-type math
+    --rm-type last_number
     --rollout-batch-size 8 --n-samples-per-prompt 4 --num-rollout "${NUM_ROLLOUT:-30}"
     --rollout-max-response-len 32 --rollout-temperature 1.0
     --advantage-estimator grpo --lr 1e-5

@@ -22,3 +22,13 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random-weight Llama with a byte-level BPE tokenizer and chat template, built once per session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session (starting one costs seconds)."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

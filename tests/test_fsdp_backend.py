@@ -22,6 +22,7 @@ from slime.backends.fsdp_utils.model import (
 from slime.ray.rollout import split_train_data_by_dp
 from slime.ray.train_actor import get_free_port
 from slime.utils.arguments import parse_args
+from slime.utils.ppo_utils import compute_log_probs
 
 VOCAB = 320
 CAPTURED: dict[int, dict] = {}
@@ -121,7 +122,9 @@ def test_packed_logits_equal_unpacked(tiny_model_dir):
         row += response
     assert row == packed_logits.shape[0]
     assert worst < 1e-5, worst
-    assert packed.target_tokens.tolist() == [t for tok, r in zip(data["tokens"], data["response_lengths"]) for t in tok[-r:]]
+    assert packed.target_tokens.tolist() == [
+        t for tok, r in zip(data["tokens"], data["response_lengths"]) for t in tok[-r:]
+    ]
 
 
 def test_dynamic_grouping_respects_token_budget():
@@ -207,7 +210,9 @@ def test_nan_gradient_step_is_skipped(tiny_model_dir):
 
 @pytest.mark.parametrize("per_token", [False, True])
 def test_per_sample_and_per_token_aggregation(tiny_model_dir, per_token):
-    extra = ["--loss-type", "sft_loss", "--micro-batch-size", "3"] + (["--calculate-per-token-loss"] if per_token else [])
+    extra = ["--loss-type", "sft_loss", "--micro-batch-size", "3"] + (
+        ["--calculate-per-token-loss"] if per_token else []
+    )
     actor = new_actor(make_args(tiny_model_dir, *extra))
     data = make_rollout(8, seed=7, mask_holes=True)
     reported = actor.train(0, data)["train/loss"]
@@ -275,9 +280,11 @@ def test_world_size_two_matches_world_size_one(tiny_model_dir, tmp_path):
     # Adam divides each gradient entry by its own scale, so entries whose gradient is at float noise
     # level move by up to lr either way; the updates themselves agree to a few percent of their size.
     assert worst < 0.05 * moved, (worst, moved)
-    print(f"ws2 vs ws1: loss {dual['metrics']['train/loss']} vs {single['metrics']['train/loss']}, "
-          f"grad norm {dual['metrics']['train/grad_norm']} vs {single['metrics']['train/grad_norm']}, weights {worst:.2e} "
-          f"(moved {moved:.2e})")
+    print(
+        f"ws2 vs ws1: loss {dual['metrics']['train/loss']} vs {single['metrics']['train/loss']}, "
+        f"grad norm {dual['metrics']['train/grad_norm']} vs {single['metrics']['train/grad_norm']}, weights {worst:.2e} "
+        f"(moved {moved:.2e})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,3 +319,95 @@ def test_ppo_actor_uses_critic_values_in_gae(tiny_model_dir):
     for advantages, value, reward in zip(CAPTURED[120]["advantages"], values, data["rewards"]):
         assert torch.allclose(advantages, reward - torch.tensor(value), atol=1e-5)
     assert any(abs(v) > 1e-3 for sample in values for v in sample)
+
+
+# ---------------------------------------------------------------------------------------------
+# Other estimators, TIS, rollout log-probs, custom loss
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_other_estimators_train(tiny_model_dir, estimator):
+    args = make_args(
+        tiny_model_dir,
+        "--advantage-estimator",
+        estimator,
+        "--lr",
+        "1e-3",
+        "--rollout-data-postprocess-path",
+        CAPTURE_HOOK,
+        num_steps=2,
+    )
+    actor = new_actor(args)
+    data = make_rollout(8, seed=11, num_steps=2, mask_holes=True)
+    for rollout_id in (140, 141):
+        metrics = actor.train(rollout_id, data)
+        assert all(math.isfinite(value) for value in metrics.values()), metrics
+        assert 0.0 <= metrics["train/pg_clipfrac"] <= 1.0
+    assert metrics["train/ppo_kl"] != 0.0  # the second step of each rollout saw updated weights
+    if args.normalize_advantages:  # turned on for the REINFORCE++ estimators
+        advantages = torch.cat(CAPTURED[141]["advantages"])
+        mask = torch.cat([torch.tensor(m, dtype=torch.float32) for m in data["loss_masks"]])
+        mean = (advantages * mask).sum() / mask.sum()
+        variance = ((advantages - mean) ** 2 * mask).sum() / mask.sum()
+        assert abs(mean.item()) < 1e-5 and variance.item() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_tis_weights_the_policy_loss(tiny_model_dir):
+    data = make_rollout(8, seed=12)
+    rng = random.Random(12)
+    data["rollout_log_probs"] = [[-rng.uniform(3.0, 8.0) for _ in range(r)] for r in data["response_lengths"]]
+    args = make_args(tiny_model_dir, "--use-tis", "--tis-clip", "1.5", "--rollout-data-postprocess-path", CAPTURE_HOOK)
+    metrics = new_actor(args).train(150, data)
+    old = CAPTURED[150]["log_probs"]
+
+    # By hand: w = clamp(exp(old - rollout), 0, 1.5); at the first step ratio = 1, so the
+    # per-token loss is -A * w, averaged per sample then over samples.
+    diff_sum = weight_sum = count = 0.0
+    sample_losses = []
+    for old_lp, rollout_lp, reward in zip(old, data["rollout_log_probs"], data["rewards"]):
+        weights = torch.exp(old_lp - torch.tensor(rollout_lp)).clamp(0.0, 1.5)
+        diff_sum += (old_lp - torch.tensor(rollout_lp)).abs().sum().item()
+        weight_sum += weights.sum().item()
+        count += len(rollout_lp)
+        sample_losses.append((-reward * weights).mean().item())
+    assert metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx(diff_sum / count, rel=1e-5)
+    assert metrics["train/tis_weight_mean"] == pytest.approx(weight_sum / count, rel=1e-5)
+    assert metrics["train/pg_loss"] == pytest.approx(sum(sample_losses) / len(sample_losses), abs=1e-5)
+
+
+def test_use_rollout_logprobs_skips_recomputation(tiny_model_dir):
+    data = make_rollout(8, seed=13)
+    data["rollout_log_probs"] = [[-2.0] * r for r in data["response_lengths"]]
+    args = make_args(tiny_model_dir, "--use-rollout-logprobs", "--rollout-data-postprocess-path", CAPTURE_HOOK)
+    metrics = new_actor(args).train(160, data)
+    assert [lp.tolist() for lp in CAPTURED[160]["log_probs"]] == data["rollout_log_probs"]
+    assert "train/train_rollout_logprob_abs_diff" not in metrics
+    assert metrics["train/ppo_kl"] != 0.0  # the engine's log-probs are not the trainer's
+
+
+def nll_custom_loss(args, batch, logits, sum_of_sample_mean):
+    """--custom-loss-function-path example: negative log-likelihood, through the given reducer."""
+    log_probs = torch.split(compute_log_probs(logits, batch["target_tokens"]), batch["response_lengths"])
+    loss = sum_of_sample_mean([-lp for lp in log_probs])
+    return loss, {"nll": loss.detach()}
+
+
+def test_custom_loss_hook(tiny_model_dir):
+    data = make_rollout(8, seed=14, num_steps=2)
+    custom = make_args(
+        tiny_model_dir,
+        "--loss-type",
+        "custom_loss",
+        "--custom-loss-function-path",
+        f"{__name__}.nll_custom_loss",
+        "--micro-batch-size",
+        "3",
+        num_steps=2,
+    )
+    builtin = make_args(tiny_model_dir, "--loss-type", "sft_loss", num_steps=2)
+    custom_metrics = new_actor(custom).train(0, data)
+    builtin_metrics = new_actor(builtin).train(0, data)
+    assert custom_metrics["train/loss"] == pytest.approx(builtin_metrics["train/loss"], abs=1e-6)
+    assert custom_metrics["train/nll"] == pytest.approx(custom_metrics["train/loss"], abs=1e-7)
+    assert custom_metrics["train/grad_norm"] == pytest.approx(builtin_metrics["train/grad_norm"], rel=1e-5)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_fsdp_backend import make_rollout
 from transformers import AutoModelForCausalLM
 
 from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
@@ -21,7 +22,6 @@ from slime.backends.fsdp_utils.model import gather_full_state_dict
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.utils.arguments import parse_args
 from slime.utils.http_utils import find_free_port, wait_until_healthy
-from test_fsdp_backend import make_rollout
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROBE = [5, 17, 42, 99, 123, 7, 250, 31, 64, 12, 200, 3]
@@ -131,7 +131,9 @@ def test_update_weights_makes_engine_match_trainer(tiny_model_dir, engine, coloc
 
     for expected_version in ("1", "2"):
         actor.train(int(expected_version), make_rollout(8, seed=int(expected_version)))
-        stale = (engine_prompt_log_probs(client, PROBE) - plain_prompt_log_probs(trainer_model(actor, tiny_model_dir), PROBE))
+        stale = engine_prompt_log_probs(client, PROBE) - plain_prompt_log_probs(
+            trainer_model(actor, tiny_model_dir), PROBE
+        )
         assert stale.abs().max().item() > 1e-2  # the step really changed what the trainer computes
         actor.update_weights()
         gap = check_engine_matches_trainer(actor, client, tiny_model_dir)

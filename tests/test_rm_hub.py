@@ -430,3 +430,27 @@ def test_remote_rm_unreachable_and_unconfigured():
         rm(args, Sample())
     with pytest.raises(RewardFunctionError, match="--rm-url"):
         rm(Namespace(rm_type="remote_rm"), Sample())
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("37 + 58 = 95", "95", 1.0),
+        ("37 + 58 = 145", "95", 0.0),
+        ("The answer is 1,000.", "1000", 1.0),
+        ("It is \\boxed{12}, not 13", "12", 1.0),  # a boxed answer wins over the last number
+        ("3.50", "3.5", 1.0),
+        ("-7", "-7", 1.0),
+        ("no digits here", "4", 0.0),
+        ("4", "four", 0.0),  # a label that is not a number never matches
+    ],
+)
+def test_last_number_reward(response, label, expected):
+    from slime.rollout.rm_hub.last_number import compute_last_number_reward
+
+    assert compute_last_number_reward(response, label) == expected
+
+
+def test_last_number_is_a_builtin_rm_type():
+    sample = Sample(index=0, response="so 2 + 2 = 4", label="4")
+    assert asyncio.run(async_rm(Namespace(rm_type="last_number", custom_rm_path=None), sample)) == 1.0

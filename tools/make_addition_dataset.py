@@ -12,7 +12,7 @@ import json
 import random
 from pathlib import Path
 
-PROMPT = "What is {a} + {b}? Reply with only the number in \\boxed{{}}."
+PROMPT = "What is {a} + {b}? Reply with only the number."
 
 
 def make_pairs(num_train: int, num_eval: int, seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -209,15 +209,25 @@ class RolloutManager:
 
     def _call_rollout_fn(self, fn, rollout_id: int, evaluation: bool):
         try:
-            return fn(self.args, rollout_id, self.data_source, evaluation=evaluation)
+            output = fn(self.args, rollout_id, self.data_source, evaluation=evaluation)
         except Exception as e:
             dead = self.dead_engines() if self.engines else []
             if dead:
-                raise RuntimeError(
-                    f"rollout {rollout_id} failed: inference engine(s) {dead} died ({type(e).__name__}: {e}). "
-                    "Check the engine logs; restart the run from the last checkpoint with --load."
-                ) from e
+                raise RuntimeError(self._dead_engines_message(rollout_id, dead) + f" ({type(e).__name__}: {e})") from e
             raise
+        # The router may have retried a dead engine's requests elsewhere; the run still cannot go on without it
+        # (weight updates would miss it), so a death is an error even when the rollout itself succeeded.
+        dead = self.dead_engines() if self.engines else []
+        if dead:
+            raise RuntimeError(self._dead_engines_message(rollout_id, dead))
+        return output
+
+    @staticmethod
+    def _dead_engines_message(rollout_id: int, dead: list[str]) -> str:
+        return (
+            f"rollout {rollout_id}: inference engine(s) {dead} died. Check the engine logs "
+            "(server_log_dir, default $TMPDIR/slime_logs) and resume from the last checkpoint with --load"
+        )
 
     # ---- rollout -------------------------------------------------------------------------
     def generate(self, rollout_id: int, dp_size: int = 1) -> RolloutBatch:

@@ -13,7 +13,6 @@ logger = logging.getLogger("slime")
 # (metric key, label, format) of the per-rollout line, in print order; missing keys are skipped.
 STEP_LINE_FIELDS = (
     ("rollout/reward", "reward", "{:.3f}"),
-    ("eval/mean", "eval", "{:.3f}"),
     ("train/kl_loss", "kl", "{:.4f}"),
     ("train/ppo_kl", "ppo_kl", "{:.4f}"),
     ("train/loss", "loss", "{:.4f}"),
@@ -31,11 +30,14 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 
 def format_step_line(rollout_id: int, metrics: dict[str, float]) -> str:
-    """`rollout 3 | reward 0.412 | kl 0.0012 | loss -0.0101 | ... | step_time 41.2s`."""
+    """`rollout 3 | reward 0.412 | kl 0.0012 | loss -0.0101 | ... | step_time 41.2s | eval_math 0.350`."""
     parts = [f"rollout {rollout_id}"]
     for key, label, fmt in STEP_LINE_FIELDS:
         if key in metrics:
             parts.append(f"{label} {fmt.format(metrics[key])}")
+    for key, value in sorted(metrics.items()):
+        if key.startswith("eval/") and key.count("/") == 1:  # eval/<set name>: that set's mean reward
+            parts.append(f"eval_{key[5:]} {value:.3f}")
     return " | ".join(parts)
 
 

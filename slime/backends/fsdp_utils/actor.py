@@ -21,9 +21,9 @@ Driver protocol (what `RayTrainGroup` / train.py call on every rank, in this ord
 `train` returns the rollout's metrics, identical on every rank: the actor's are named
 `train/<name>`, the critic's plain `<name>` (the driver prefixes them).
 
-Per rollout the actor follows Megatron's `train_actor` order: old log-probs with the current
-weights (skipped with `--use-rollout-logprobs`), reference log-probs (the reference weights are
-swapped into the one model and back: no second model), advantages and returns, the
+Per rollout the actor follows Megatron's `train_actor` order: reference log-probs (the reference
+weights are swapped into the one model and back: no second model), old log-probs with the current
+weights (skipped with `--use-rollout-logprobs`), advantages and returns, the
 `--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps.
 
 The critic computes its returns by GAE from its own values and the rewards with a zero reward-side
@@ -40,6 +40,7 @@ import time
 from argparse import Namespace
 from collections import defaultdict
 from typing import Any
+from urllib.parse import urlparse
 
 import ray
 import torch
@@ -195,18 +196,23 @@ class FSDPTrainRayActor(TrainRayActor):
 
     # ---- forward-only passes -------------------------------------------------------------------
     @torch.no_grad()
-    def _forward_per_sample(self, steps: list[list[PackedMicroBatch]], num_samples: int, what: str) -> list:
-        """Per-sample log-probs (`what="log_probs"`) or critic values (`"values"`) on CPU, no gradient."""
+    def _forward_per_sample(
+        self, steps: list[list[PackedMicroBatch]], num_samples: int, what: str, temperature: float | None = None
+    ) -> list:
+        """Per-sample log-probs (`what="log_probs"`, at `temperature`, default the rollout's) or critic
+        values (`"values"`) on CPU, without gradient."""
         self.model.eval()
         outputs: list = [None] * num_samples
         for micro_batch in (mb for step in steps for mb in step):
             if what == "values":
                 flat = response_values(self.model, micro_batch)
             else:
-                logits = response_logits(self.model, micro_batch, self.args.rollout_temperature)
+                logits = response_logits(self.model, micro_batch, temperature or self.args.rollout_temperature)
                 flat = compute_log_probs(logits, micro_batch.target_tokens)
             if micro_batch.weight:
-                for index, value in zip(micro_batch.sample_indices, split_per_sample(flat, micro_batch.response_lengths)):
+                for index, value in zip(
+                    micro_batch.sample_indices, split_per_sample(flat, micro_batch.response_lengths)
+                ):
                     outputs[index] = value.float().cpu()
         self.model.train()
         return outputs
@@ -266,6 +272,8 @@ class FSDPTrainRayActor(TrainRayActor):
                         "--use-rollout-logprobs / --use-tis need the engines' log-probs, but the rollout data has no "
                         "rollout_log_probs; make the rollout function record them (return_logprob)"
                     )
+            if self.ref_shards is not None:
+                data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
             if self.args.use_rollout_logprobs:
                 data["log_probs"] = data["rollout_log_probs"]
             else:
@@ -274,8 +282,6 @@ class FSDPTrainRayActor(TrainRayActor):
                     metrics["train_rollout_logprob_abs_diff"] = self._masked_mean_abs_diff(
                         data["log_probs"], data["rollout_log_probs"], data["loss_masks"]
                     )
-            if self.ref_shards is not None:
-                data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
             if values is not None:
                 data["values"] = self._values_for_this_rank(values)
         compute_advantages_and_returns(self.args, data, device=self._collective_device())
@@ -412,7 +418,7 @@ class FSDPTrainRayActor(TrainRayActor):
         if self.args.colocate:
             self.span_groups = engine_span_groups(self.dp_size, gpus_per_engine)
         elif self.rank == 0 and self.engines:
-            local = all(("127.0.0.1" in url or "localhost" in url) for url in self.engine_urls)
+            local = all(urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.engine_urls)
             address = "127.0.0.1" if local else ray.util.get_node_ip_address()
             kind = getattr(self.args, "rollout_backend", "sglang")
             self.broadcast_group = connect_broadcast_group(self.engines, gpus_per_engine, address, kind)
@@ -466,12 +472,7 @@ class FSDPTrainRayActor(TrainRayActor):
         micro_batches = build_step_micro_batches(
             probe_data["tokens"], probe_data["response_lengths"], 1, 1, None, self.device
         )
-        temperature = self.args.rollout_temperature
-        self.args.rollout_temperature = 1.0
-        try:
-            trainer = self._forward_per_sample(micro_batches, 1, "log_probs")[0]
-        finally:
-            self.args.rollout_temperature = temperature
+        trainer = self._forward_per_sample(micro_batches, 1, "log_probs", temperature=1.0)[0]
         if self.rank != 0:
             return {"max_abs_diff": 0.0}
         gap = 0.0

@@ -76,7 +76,9 @@ def compute_advantages_and_returns(
             if data.get("values") is None:
                 raise ValueError("--advantage-estimator ppo needs critic values; the driver must pass values=")
             token_rewards = build_token_level_rewards(rewards, kl, masks, args.kl_coef)
-            advantages, returns = get_advantages_and_returns_batch(data["values"], token_rewards, args.gamma, args.lambd)
+            advantages, returns = get_advantages_and_returns_batch(
+                data["values"], token_rewards, args.gamma, args.lambd
+            )
         else:
             raise ValueError(f"unknown --advantage-estimator {estimator!r}")
         data["advantages"], data["returns"] = list(advantages), list(returns)

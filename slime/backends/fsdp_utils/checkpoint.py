@@ -276,4 +276,3 @@ def save_hf_checkpoint(model: nn.Module, path: str, tokenizer_path: str | None) 
         save_hf_folder(model, full_state_dict, tmp_dir, tokenizer_path)
         _publish(tmp_dir, path)
     _barrier()
-

@@ -68,7 +68,9 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors)
 
 
-def policy_loss(args: Namespace, batch: dict, logits: torch.Tensor, normalizer: StepNormalizer) -> tuple[torch.Tensor, Metrics]:
+def policy_loss(
+    args: Namespace, batch: dict, logits: torch.Tensor, normalizer: StepNormalizer
+) -> tuple[torch.Tensor, Metrics]:
     """PPO-family policy loss, plus entropy bonus and KL-to-reference loss.
 
     Args:
@@ -98,7 +100,9 @@ def policy_loss(args: Namespace, batch: dict, logits: torch.Tensor, normalizer: 
     if args.advantage_estimator == "cispo":
         pg_losses, clipfrac = compute_cispo_loss(ppo_kl, flat_log_probs, advantages, args.eps_clip_high)
     else:
-        pg_losses, clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
+        pg_losses, clipfrac = compute_policy_loss(
+            ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c
+        )
 
     metrics: Metrics = {}
     pg_masks = masks
@@ -139,14 +143,18 @@ def policy_loss(args: Namespace, batch: dict, logits: torch.Tensor, normalizer: 
     return loss, metrics
 
 
-def sft_loss(args: Namespace, batch: dict, logits: torch.Tensor, normalizer: StepNormalizer) -> tuple[torch.Tensor, Metrics]:
+def sft_loss(
+    args: Namespace, batch: dict, logits: torch.Tensor, normalizer: StepNormalizer
+) -> tuple[torch.Tensor, Metrics]:
     """Negative log-likelihood of the trainable response tokens (`--loss-type sft_loss`)."""
     log_probs = split_per_sample(compute_log_probs(logits, batch["target_tokens"]), batch["response_lengths"])
     loss = normalizer.reduce([-lp for lp in log_probs], batch["loss_masks"])
     return loss, {"loss": loss.detach()}
 
 
-def custom_loss(args: Namespace, batch: dict, logits: torch.Tensor, normalizer: StepNormalizer) -> tuple[torch.Tensor, Metrics]:
+def custom_loss(
+    args: Namespace, batch: dict, logits: torch.Tensor, normalizer: StepNormalizer
+) -> tuple[torch.Tensor, Metrics]:
     """`--custom-loss-function-path`: `f(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`.
 
     `batch` is the micro-batch dict described in `policy_loss`, `logits` the `[M, vocab]` response
@@ -170,7 +178,9 @@ LOSS_FUNCTIONS: dict[str, Callable[..., tuple[torch.Tensor, Metrics]]] = {
 }
 
 
-def value_loss(args: Namespace, batch: dict, values: torch.Tensor, normalizer: StepNormalizer) -> tuple[torch.Tensor, Metrics]:
+def value_loss(
+    args: Namespace, batch: dict, values: torch.Tensor, normalizer: StepNormalizer
+) -> tuple[torch.Tensor, Metrics]:
     """Clipped value loss of the critic on the returns (`--value-clip`).
 
     Args:

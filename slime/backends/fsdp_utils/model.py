@@ -256,8 +256,7 @@ def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's shard of every parameter, aliasing the parameter storage (tied weights once)."""
     reshard(model)
     return {
-        name: param.to_local() if isinstance(param, DTensor) else param.data
-        for name, param in model.named_parameters()
+        name: param.to_local() if isinstance(param, DTensor) else param.data for name, param in model.named_parameters()
     }
 
 
@@ -289,7 +288,7 @@ def gather_full_state_dict(model: nn.Module, names: list[str] | None = None) -> 
         names: Only these entries (default: all).
 
     Returns:
-        name -> full CPU tensor, on every rank.
+        name -> full CPU tensor (never aliasing the live parameters), on every rank.
     """
     reshard(model)
     gathered: dict[int, torch.Tensor] = {}
@@ -300,7 +299,11 @@ def gather_full_state_dict(model: nn.Module, names: list[str] | None = None) -> 
         key = id(tensor)
         if key not in gathered:
             value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            gathered[key] = value.detach().cpu()
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            # With one CPU rank the "gathered" tensor can be the parameter's own storage; copy it then,
+            # so the result is a snapshot that later optimizer steps do not change.
+            aliases = value.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+            gathered[key] = value.detach().to("cpu", copy=aliases)
         full[name] = gathered[key]
     return full
 

@@ -1,6 +1,6 @@
 """Reward functions: built-in rules picked by `--rm-type`, or a user function from `--custom-rm-path`.
 
-Built-in types: math, deepscaler, dapo, f1, gpqa (rule based); boxed_f1 and boxed_gpqa (grade only the
+Built-in types: math, deepscaler, dapo, f1, gpqa, last_number (rule based); boxed_f1 and boxed_gpqa (grade only the
 last `\\boxed{...}` of the response; math, deepscaler and dapo find the boxed answer themselves);
 remote_rm (HTTP server at `--rm-url`); random. A sample's `metadata["rm_type"]` overrides `--rm-type`,
 so one dataset can mix reward types.
@@ -20,6 +20,7 @@ from .dapo import compute_dapo_reward
 from .deepscaler import get_deepscaler_rule_based_reward
 from .f1 import f1_score
 from .gpqa import compute_gpqa_reward
+from .last_number import compute_last_number_reward
 from .math_rm import compute_math_reward
 from .math_utils import extract_boxed_answer
 from .remote_rm import remote_rm
@@ -31,6 +32,7 @@ RULE_BASED_REWARDS: dict[str, Callable[[str, Any, dict], float | dict]] = {
     "dapo": lambda response, label, metadata: compute_dapo_reward(response, label),
     "f1": lambda response, label, metadata: f1_score(response, label),
     "gpqa": lambda response, label, metadata: compute_gpqa_reward(response, label, metadata=metadata),
+    "last_number": lambda response, label, metadata: compute_last_number_reward(response, label),
 }
 RM_TYPES = (*RULE_BASED_REWARDS, "remote_rm", "random")
 BOXED_PREFIX = "boxed_"

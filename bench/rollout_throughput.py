@@ -1,0 +1,114 @@
+"""Rollout throughput: router + CPU engine vs plain batched `model.generate` in one process.
+
+    python bench/rollout_throughput.py --model models/SmolLM2-135M-Instruct
+
+Both sides decode the same 32 chat prompts for exactly 64 new tokens (EOS ignored) at
+temperature 1 with the same thread count, one after the other. Prints tokens/s of each and
+the ratio engine / generate (the target is >= 0.9: the HTTP path should cost little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from argparse import Namespace
+
+import aiohttp
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from slime.backends.sglang_utils.engine_actor import RolloutEngine
+from slime.ray.router import add_worker, start_router, wait_for_workers
+
+
+def make_prompts(tokenizer, n: int) -> list[list[int]]:
+    prompts = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"What is {10 + i} + {57 + 2 * i}? Explain step by step."}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def bench_generate(model_path: str, prompts: list[list[int]], new_tokens: int, threads: int) -> float:
+    """Tokens/s of one left-padded batched `generate` call (after a warm-up call)."""
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=tokenizer.pad_token_id)
+
+    def run(tokens: int) -> float:
+        started = time.perf_counter()
+        with torch.no_grad():
+            output = model.generate(**batch, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+        assert output.shape[1] - batch["input_ids"].shape[1] == tokens
+        return time.perf_counter() - started
+
+    run(4)
+    return len(prompts) * new_tokens / run(new_tokens)
+
+
+async def _send_all(url: str, prompts: list[list[int]], new_tokens: int) -> int:
+    params = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+
+        async def one(ids):
+            payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+            async with session.post(f"{url}/generate", json=payload) as response:
+                response.raise_for_status()
+                return (await response.json())["meta_info"]["completion_tokens"]
+
+        return sum(await asyncio.gather(*(one(ids) for ids in prompts)))
+
+
+def bench_engine(model_path: str, prompts: list[list[int]], new_tokens: int, threads: int) -> float:
+    """Tokens/s of the same prompts sent concurrently through sglang-router to one CPU engine."""
+    args = Namespace(
+        hf_checkpoint=model_path,
+        cpu_engine_num_threads=threads,
+        cpu_engine_max_running_requests=len(prompts),
+        sglang_router_ip=None,
+        sglang_router_port=None,
+        sglang_router_request_timeout_secs=3600,
+        router_args={},
+        sglang_server_args={},
+    )
+    router = start_router(args)
+    engine = RolloutEngine(args, rank=0, backend="cpu")
+    try:
+        engine.start(timeout=300)
+        add_worker(router.url, engine.url())
+        wait_for_workers(router.url, [engine.url()], timeout=60)
+        asyncio.run(_send_all(router.url, prompts[:4], 4))  # warm-up
+        started = time.perf_counter()
+        tokens = asyncio.run(_send_all(router.url, prompts, new_tokens))
+        elapsed = time.perf_counter() - started
+        assert tokens == len(prompts) * new_tokens, tokens
+        return tokens / elapsed
+    finally:
+        engine.shutdown()
+        router.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = make_prompts(tokenizer, args.num_prompts)
+    engine_tps = bench_engine(args.model, prompts, args.new_tokens, args.threads)
+    generate_tps = bench_generate(args.model, prompts, args.new_tokens, args.threads)
+    print(f"{args.num_prompts} prompts x {args.new_tokens} new tokens, {args.threads} thread(s)")
+    print(f"router + cpu engine : {engine_tps:8.1f} tok/s")
+    print(f"model.generate      : {generate_tps:8.1f} tok/s")
+    print(f"ratio engine/generate: {engine_tps / generate_tps:.2f}")
+
+
+if __name__ == "__main__":
+    main()

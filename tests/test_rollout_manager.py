@@ -1,0 +1,117 @@
+"""Two CPU engines behind the real sglang-router on a local Ray cluster, driven by the RolloutManager."""
+
+import json
+
+import pytest
+import ray
+import torch
+
+from slime.ray.placement_group import create_placement_groups
+from slime.ray.rollout import create_rollout_manager
+from slime.utils.arguments import parse_args
+from slime.utils.types import Sample
+
+PROMPTS = [f"What is {a} + {b}?" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (4, 4), (6, 6), (8, 8)]]
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout_data")
+    train = root / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": p, "label": str(eval(p[8:-1]))}) + "\n" for p in PROMPTS))
+    held_out = root / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": p, "label": "0"}) + "\n" for p in PROMPTS[:3]))
+    return train, held_out
+
+
+def rollout_args(model_dir, train_file, eval_file, *extra):
+    return parse_args(
+        [
+            "--hf-checkpoint", str(model_dir),
+            "--prompt-data", str(train_file), "--input-key", "prompt", "--label-key", "label",
+            "--apply-chat-template", "--rm-type", "math",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2",
+            "--rollout-max-response-len", "8", "--rollout-num-gpus", "2",
+            "--eval-prompt-data", "held_out", str(eval_file),
+            "--debug-rollout-only",
+            *extra,
+        ]
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def manager(ray_cluster, tiny_model_dir, data_files):
+    args = rollout_args(tiny_model_dir, *data_files)
+    slices = create_placement_groups(args)
+    manager = create_rollout_manager(args, slices["rollout"])
+    yield manager
+    ray.get(manager.dispose.remote())
+    ray.util.remove_placement_group(slices["rollout"].pg)
+
+
+def test_two_engines_registered_behind_the_router(manager):
+    urls = ray.get(manager.get_engine_urls.remote())
+    assert len(urls) == 2 and len(set(urls)) == 2
+    assert ray.get(manager.get_num_rollout.remote()) == (2, 4)
+
+
+def test_rollout_returns_well_formed_train_data(manager):
+    batch = ray.get(manager.generate.remote(0, 1))
+    assert batch.data_refs == []  # --debug-rollout-only: no trainer, no shards
+    assert 0.0 <= batch.metrics["rollout/reward"] <= 1.0
+    assert batch.metrics["rollout/response_length"] > 0
+
+    # Same rollout converted for a 2-rank trainer.
+    args = ray.get(manager.__ray_call__.remote(lambda self: self.args))
+    args.debug_rollout_only = False
+    ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "debug_rollout_only", False)))
+    try:
+        batch = ray.get(manager.generate.remote(1, 2))
+    finally:
+        ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "debug_rollout_only", True)))
+    shards = ray.get(batch.data_refs)
+    assert len(shards) == 2
+    for shard in shards:
+        assert len(shard["tokens"]) == 2  # global batch 4 over 2 ranks
+        for tokens, length, mask, log_probs in zip(
+            shard["tokens"], shard["response_lengths"], shard["loss_masks"], shard["rollout_log_probs"], strict=True
+        ):
+            assert 0 < length <= 8 and len(tokens) > length
+            assert len(mask) == length and len(log_probs) == length
+            assert all(lp <= 0.0 for lp in log_probs)
+    indices = sorted(i for shard in shards for i in shard["sample_indices"])
+    assert len(indices) == 4 and len(set(indices)) == 4
+    # GRPO rewards are centred within each prompt group.
+    rewards = {i: r for shard in shards for i, r in zip(shard["sample_indices"], shard["rewards"], strict=True)}
+    for first in indices[::2]:
+        assert rewards[first] + rewards[first + 1] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_eval_reports_each_named_set(manager):
+    metrics = ray.get(manager.eval.remote(0))
+    assert set(metrics) == {"eval/held_out", "eval/held_out/truncated"}
+    assert metrics["eval/held_out"] == 0.0  # labels are "0": no sum here is 0
+
+
+def test_saved_rollout_can_be_read_back(manager, tmp_path):
+    path = str(tmp_path / "rollout_{rollout_id}.pt")
+    ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", path)))
+    try:
+        ray.get(manager.generate.remote(5, 1))
+    finally:
+        ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", None)))
+    saved = torch.load(path.format(rollout_id=5), weights_only=False)
+    samples = [Sample.from_dict(d) for d in saved["samples"]]
+    assert len(samples) == 4 and all(s.rollout_id == 5 for s in samples)
+
+
+def test_killed_engine_is_reported_by_url(manager):
+    """Last in the module: it kills one engine."""
+    engines = ray.get(manager.get_engines.remote())
+    urls = ray.get(manager.get_engine_urls.remote())
+    ray.get(engines[0].shutdown.remote())
+    ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "rollout_batch_size", 4)))
+    with pytest.raises(ray.exceptions.RayTaskError) as excinfo:
+        ray.get(manager.generate.remote(6, 1))
+    message = str(excinfo.value)
+    assert "died" in message and urls[0] in message
