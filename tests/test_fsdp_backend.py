@@ -97,10 +97,6 @@ def plain_response_log_probs(model, tokens: list[int], response_length: int, tem
     return log_probs.gather(-1, torch.tensor(tokens[start:]).unsqueeze(-1)).squeeze(-1)
 
 
-def full_weights(actor) -> dict[str, torch.Tensor]:
-    return {name: tensor.clone() for name, tensor in gather_full_state_dict(actor.model).items()}
-
-
 # ---------------------------------------------------------------------------------------------
 # Packing and log-probs
 # ---------------------------------------------------------------------------------------------
@@ -173,9 +169,9 @@ def test_train_step_changes_weights_and_lowers_loss(tiny_model_dir):
     args = make_args(tiny_model_dir, "--loss-type", "sft_loss", "--lr", "3e-3", "--micro-batch-size", "3")
     actor = new_actor(args)
     data = make_rollout(8, seed=4)
-    before = full_weights(actor)
+    before = gather_full_state_dict(actor.model)
     losses = [actor.train(i, data)["train/loss"] for i in range(5)]
-    after = full_weights(actor)
+    after = gather_full_state_dict(actor.model)
     assert any(not torch.equal(before[name], after[name]) for name in before)
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
 

@@ -6,6 +6,7 @@ splits it across data-parallel ranks and returns one object ref per rank.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -140,6 +141,7 @@ class RolloutManager:
         self.router = None
         self.engines: list = []
         self.engine_urls: list[str] = []
+        self.state_before_rollout: tuple[int, dict] | None = None  # (rollout id, data source state)
         if not args.debug_train_only:
             self._start_engines(rollout_slice)
         self.data_source = load_function(args.data_source_path)(args)
@@ -233,6 +235,8 @@ class RolloutManager:
     def generate(self, rollout_id: int, dp_size: int = 1) -> RolloutBatch:
         """Run one training rollout and return per-rank train data refs and metrics."""
         started = time.time()
+        if hasattr(self.data_source, "state_dict"):
+            self.state_before_rollout = (rollout_id, copy.deepcopy(self.data_source.state_dict()))
         if self.args.load_debug_rollout_data:
             samples, extra_metrics = self._load_debug_rollout_data(rollout_id), {}
         else:
@@ -281,7 +285,21 @@ class RolloutManager:
 
     # ---- checkpoint & memory -------------------------------------------------------------
     def save(self, rollout_id: int) -> None:
-        self.data_source.save(rollout_id)
+        """Save the data source as it stood when rollout `rollout_id` was complete.
+
+        train_async.py draws rollout k+1 before it saves step k, so the state from before that
+        draw is saved then; a resumed run redraws rollout k+1's prompts.
+        """
+        drawn_next = self.state_before_rollout is not None and self.state_before_rollout[0] == rollout_id + 1
+        if not drawn_next:
+            self.data_source.save(rollout_id)
+            return
+        current = copy.deepcopy(self.data_source.state_dict())
+        self.data_source.load_state_dict(self.state_before_rollout[1])
+        try:
+            self.data_source.save(rollout_id)
+        finally:
+            self.data_source.load_state_dict(current)
 
     def load(self, rollout_id: int | None = None) -> None:
         self.data_source.load(rollout_id)

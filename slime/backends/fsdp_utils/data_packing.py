@@ -45,10 +45,6 @@ class PackedMicroBatch:
     response_lengths: list[int]
     weight: float = 1.0
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
-
 
 def step_slices(num_samples: int, num_steps: int) -> list[range]:
     """The samples of each optimizer step: `num_steps` equal consecutive blocks of the shard.

@@ -64,10 +64,6 @@ class StepNormalizer:
         return float(sum(mask.sum() for mask in loss_masks)) / max(self.num_tokens, 1)
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(tensors)
-
-
 def policy_loss(
     args: Namespace, batch: dict, logits: torch.Tensor, normalizer: StepNormalizer
 ) -> tuple[torch.Tensor, Metrics]:
@@ -91,12 +87,12 @@ def policy_loss(
     flat_log_probs = compute_log_probs(logits, batch["target_tokens"])
     log_probs = split_per_sample(flat_log_probs, lengths)
     old_log_probs = batch["log_probs"]
-    advantages = _cat(batch["advantages"])
+    advantages = torch.cat(batch["advantages"])
 
     if args.advantage_estimator == "gspo":
         ppo_kl = compute_gspo_kl(log_probs, old_log_probs, masks)
     else:
-        ppo_kl = _cat(old_log_probs) - flat_log_probs
+        ppo_kl = torch.cat(old_log_probs) - flat_log_probs
     if args.advantage_estimator == "cispo":
         pg_losses, clipfrac = compute_cispo_loss(ppo_kl, flat_log_probs, advantages, args.eps_clip_high)
     else:
@@ -127,8 +123,10 @@ def policy_loss(
     loss = pg_loss - args.entropy_coef * entropy
 
     if args.use_kl_loss:
-        ratio = torch.exp(flat_log_probs - _cat(old_log_probs)).detach() if args.use_unbiased_kl else None
-        kl = compute_approx_kl(flat_log_probs, _cat(batch["ref_log_probs"]), args.kl_loss_type, importance_ratio=ratio)
+        ratio = torch.exp(flat_log_probs - torch.cat(old_log_probs)).detach() if args.use_unbiased_kl else None
+        kl = compute_approx_kl(
+            flat_log_probs, torch.cat(batch["ref_log_probs"]), args.kl_loss_type, importance_ratio=ratio
+        )
         kl_loss = normalizer.reduce(split_per_sample(kl, lengths), masks)
         loss = loss + args.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
@@ -194,7 +192,9 @@ def value_loss(
         (loss, metrics: value_loss, value_clipfrac).
     """
     lengths, masks = batch["response_lengths"], batch["loss_masks"]
-    losses, clipfrac = compute_value_loss(values, _cat(batch["values"]), _cat(batch["returns"]), args.value_clip)
+    losses, clipfrac = compute_value_loss(
+        values, torch.cat(batch["values"]), torch.cat(batch["returns"]), args.value_clip
+    )
     loss = normalizer.reduce(split_per_sample(losses, lengths), masks)
     clipped = normalizer.reduce(split_per_sample(clipfrac, lengths), masks)
     return loss, {"value_loss": loss.detach(), "value_clipfrac": clipped.detach()}

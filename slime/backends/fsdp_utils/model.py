@@ -10,14 +10,13 @@ Precision: float32 everywhere by default (bf16 matmuls are ~200x slower on AVX2-
 `--bf16` (meant for GPUs) FSDP computes in bf16 and keeps float32 master weights, gradient
 reduction and optimizer state.
 
-Weight swaps (reference model, offload) act on each rank's local shard of every parameter:
+Weight swaps (the reference model) act on each rank's local shard of every parameter:
 `local_shards` returns tensors that alias the parameters' storage, so `copy_` into them changes
 the live model without reallocating anything.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from argparse import Namespace
@@ -30,8 +29,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from slime.backends.fsdp_utils.data_packing import PackedMicroBatch
-
-logger = logging.getLogger(__name__)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -278,14 +275,13 @@ def load_local_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None
         tensor.copy_(shards[name])
 
 
-def gather_full_state_dict(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU tensors of the model's state dict; a collective, every rank must call it.
 
     Tied parameters are gathered once and appear under each of their names.
 
     Args:
         model: The sharded model.
-        names: Only these entries (default: all).
 
     Returns:
         name -> full CPU tensor (never aliasing the live parameters), on every rank.
@@ -294,8 +290,6 @@ def gather_full_state_dict(model: nn.Module, names: list[str] | None = None) -> 
     gathered: dict[int, torch.Tensor] = {}
     full = {}
     for name, tensor in model.state_dict().items():
-        if names is not None and name not in names:
-            continue
         key = id(tensor)
         if key not in gathered:
             value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

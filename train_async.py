@@ -1,0 +1,56 @@
+"""One-step-ahead RL training: rollout k+1 is generated while the trainer trains on rollout k.
+
+Weights are pushed every `--update-weights-interval` rollouts, after the in-flight rollout has
+finished, so each batch is at most one update behind the policy that trains on it. Engines and
+trainer run at the same time, so they cannot share devices: `--colocate` is refused.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from slime.ray.driver import create_training_run, finish, save_checkpoint, train_one_rollout
+from slime.utils.arguments import parse_args
+from slime.utils.misc import should_run_periodic_action
+
+
+def train(args) -> None:
+    if args.colocate:
+        raise SystemExit(
+            "train_async.py generates while it trains, so engines and trainer cannot share devices: "
+            "drop --colocate, or use train.py for colocated training"
+        )
+    if args.debug_rollout_only:
+        raise SystemExit("--debug-rollout-only has nothing to overlap: use train.py --debug-rollout-only")
+    run = create_training_run(args)
+    manager, actor = run.rollout_manager, run.actor
+    if args.eval_interval and not args.skip_eval_before_train:
+        run.tracker.log(run.start_rollout_id, ray.get(manager.eval.remote(run.start_rollout_id)))
+
+    next_batch = manager.generate.remote(run.start_rollout_id, run.dp_size)
+    for rollout_id in range(run.start_rollout_id, run.num_rollout):
+        step_started = time.time()
+        batch = ray.get(next_batch)
+        if rollout_id + 1 < run.num_rollout:
+            next_batch = manager.generate.remote(rollout_id + 1, run.dp_size)
+
+        metrics = dict(batch.metrics)
+        metrics |= train_one_rollout(run, rollout_id, batch.data_refs)
+        if should_run_periodic_action(rollout_id, args.save_interval, run.num_rollout_per_epoch, run.num_rollout):
+            save_checkpoint(run, rollout_id)
+        if (rollout_id + 1) % args.update_weights_interval == 0:
+            if rollout_id + 1 < run.num_rollout:
+                ray.wait([next_batch])  # never swap weights under a running generation
+            actor.update_weights()
+        if should_run_periodic_action(rollout_id, args.eval_interval, run.num_rollout_per_epoch):
+            metrics |= ray.get(manager.eval.remote(rollout_id))
+        metrics["perf/step_time"] = time.time() - step_started
+        run.tracker.log(rollout_id, metrics)
+
+    finish(run)
+
+
+if __name__ == "__main__":
+    train(parse_args())
