@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_fsdp_backend import CAPTURE_HOOK, CAPTURED, make_rollout, plain_response_log_probs
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -17,6 +18,14 @@ from slime.backends.fsdp_utils.data_packing import pack_micro_batch
 from slime.backends.fsdp_utils.model import gather_full_state_dict, response_logits
 from slime.ray.train_actor import get_free_port
 from slime.utils.arguments import parse_args
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _destroy_process_group_after_module():
+    """The in-process trainers share one gloo default group; leave none behind for other test files."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def base_flags(model_dir) -> list[str]:

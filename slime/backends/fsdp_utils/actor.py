@@ -10,8 +10,8 @@ Driver protocol (what `RayTrainGroup` / train.py call on every rank, in this ord
                                                          also runs it after the first update)
     per rollout:
       PPO: values = critic.compute_values(rollout_data)  per rank: list of per-sample value lists
-           actor.train(rollout_id, rollout_data, values=values)   skipped by the driver during
-                                                                  --num-critic-only-steps
+           actor.train(rollout_id, rollout_data, values_refs=[every rank's compute_values ref])
+                                                         skipped by the driver during --num-critic-only-steps
            critic.train(rollout_id, rollout_data)        may run concurrently with the actor
       else: actor.train(rollout_id, rollout_data)
       save_model(rollout_id)                             at --save-interval
@@ -25,6 +25,11 @@ Per rollout the actor follows Megatron's `train_actor` order: reference log-prob
 weights are swapped into the one model and back: no second model), old log-probs with the current
 weights (skipped with `--use-rollout-logprobs`), advantages and returns, the
 `--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps.
+
+Log-prob passes use the same packed micro-batches as training, so at the first optimizer step the
+recomputed old log-probs, the reference log-probs (when reference == actor) and the training
+forward agree bit for bit (`ppo_kl` and the KL loss are exactly 0); `--log-probs-max-tokens-per-gpu`
+is therefore not used.
 
 The critic computes its returns by GAE from its own values and the rewards with a zero reward-side
 KL (exact unless `--kl-coef` is non-zero, where the actor's advantages include the KL penalty).
@@ -242,14 +247,14 @@ class FSDPTrainRayActor(TrainRayActor):
         return tuple(data.get("sample_indices", [])), tuple(data["response_lengths"])
 
     # ---- training ------------------------------------------------------------------------------
-    def train(self, rollout_id: int, rollout_data: Any, values: Any = None) -> dict[str, float]:
+    def train(self, rollout_id: int, rollout_data: Any, values_refs: Any = None) -> dict[str, float]:
         """Train on this rank's shard of one rollout.
 
         Args:
             rollout_id: The rollout's id (passed to hooks and logs).
             rollout_data: This rank's shard (dict or ObjectRef).
-            values: Actor under PPO: this rank's critic values from `compute_values`, or the list of every
-                rank's ObjectRefs (this rank's entry is used).
+            values_refs: Actor under PPO: the critic's values, as the list of every rank's `compute_values`
+                ObjectRefs (this rank's entry is used) or as this rank's values themselves.
 
         Returns:
             Metrics averaged over the rollout's optimizer steps, identical on every rank.
@@ -282,8 +287,8 @@ class FSDPTrainRayActor(TrainRayActor):
                     metrics["train_rollout_logprob_abs_diff"] = self._masked_mean_abs_diff(
                         data["log_probs"], data["rollout_log_probs"], data["loss_masks"]
                     )
-            if values is not None:
-                data["values"] = self._values_for_this_rank(values)
+            if values_refs is not None:
+                data["values"] = self._values_for_this_rank(values_refs)
         compute_advantages_and_returns(self.args, data, device=self._collective_device())
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)

@@ -74,7 +74,9 @@ def compute_advantages_and_returns(
             advantages = returns = get_reinforce_plus_plus_baseline_advantages(rewards, kl, masks, args.kl_coef)
         elif estimator == "ppo":
             if data.get("values") is None:
-                raise ValueError("--advantage-estimator ppo needs critic values; the driver must pass values=")
+                raise ValueError(
+                    "--advantage-estimator ppo needs critic values; pass the critic's values to train (values_refs=)"
+                )
             token_rewards = build_token_level_rewards(rewards, kl, masks, args.kl_coef)
             advantages, returns = get_advantages_and_returns_batch(
                 data["values"], token_rewards, args.gamma, args.lambd

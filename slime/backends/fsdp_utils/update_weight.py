@@ -11,8 +11,12 @@ collective every training rank joins), under its HuggingFace name, and send buck
   payload per engine TP rank to `/update_weights_from_tensor`. Only same-host engines can map it.
 - disaggregated, `send_buckets_by_broadcast`: training rank 0 forms a process group of its own
   with every engine rank (`connect_broadcast_group`: NCCL on GPU, gloo on CPU; its own TCP store,
-  not the training group), then per bucket posts the names/dtypes/shapes to
+  not the training group, wrapped in store prefixes exactly as the engine kind expects: see
+  `new_sender_group`), then per bucket posts the names/dtypes/shapes to
   `/update_weights_from_distributed` and broadcasts the tensors in that order.
+
+The caller (`FSDPTrainRayActor.update_weights`) pauses the engines and flushes their caches first,
+resumes them afterwards, and labels every update with the next integer weight version.
 
 Engines are Ray actor handles of `RolloutEngine` or plain clients with the same methods
 (`EngineClient`); `call_engine` calls either.
@@ -25,24 +29,25 @@ import contextlib
 import datetime
 import io
 import pickle
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
 from torch import nn
+from torch.distributed.distributed_c10d import _new_process_group_helper
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import reshard
 from slime.ray.train_actor import get_free_port
 
 GROUP_NAME = "slime_weight_update"
-# Store-key prefix each engine kind uses for the group's rendezvous: SGLang wraps the store in
-# PrefixStore(group_name); slime's CPU engine in PrefixStore(group_name + "/").
-STORE_PREFIX = {"sglang": "{name}", "cpu": "{name}/"}
 
 
 def call_engine(engine: Any, method: str, **kwargs: Any) -> Any:
@@ -50,8 +55,6 @@ def call_engine(engine: Any, method: str, **kwargs: Any) -> Any:
     function = getattr(engine, method)
     remote = getattr(function, "remote", None)
     if remote is not None:
-        import ray
-
         return ray.get(remote(**kwargs))
     return function(**kwargs)
 
@@ -193,21 +196,57 @@ def send_buckets_as_tensors(
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class BroadcastGroup:
+    """Training rank 0's side of the weight-broadcast group.
+
+    Attributes:
+        group: The process group (this process is rank 0).
+        name: Its name on the engines.
+    """
+
+    group: dist.ProcessGroup
+    name: str
+
+
 def new_sender_group(
+    engine_kind: str,
     backend: str,
     master_address: str,
     master_port: int,
     world_size: int,
-    store_prefix: str,
+    group_name: str,
     timeout: datetime.timedelta = datetime.timedelta(minutes=30),
 ) -> dist.ProcessGroup:
-    """Rank 0 of a fresh process group on its own TCP store (blocks until all ranks have joined)."""
+    """Rank 0 of a fresh process group on its own TCP store, built exactly as the engines build theirs
+    (blocks until every rank has joined).
+
+    The ranks find each other through store keys, so both sides must wrap the store identically:
+
+    - "sglang": SGLang's `init_custom_process_group` wraps it in `PrefixStore(group_name)` and hands it
+      to torch's group constructor (`_new_process_group_helper`, which adds its own prefixes); so do we.
+    - "cpu": slime's CPU engine wraps it in `PrefixStore(group_name + "/")` around a plain `ProcessGroupGloo`.
+
+    Args:
+        engine_kind: "sglang" or "cpu" (`--rollout-backend`).
+        backend: "nccl" or "gloo".
+        master_address: Address of this process that every engine can reach.
+        master_port: Free port for the store.
+        world_size: 1 + number of engine ranks.
+        group_name: Name of the group on every side.
+        timeout: For joining and for each collective.
+
+    Returns:
+        The process group.
+    """
     store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
-    store = dist.PrefixStore(store_prefix, store)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, 0, world_size, options)
+    if engine_kind == "sglang":
+        group, _ = _new_process_group_helper(
+            world_size, 0, [], backend, dist.PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+        )
+        return group
+    if engine_kind != "cpu" or backend != "gloo":
+        raise ValueError(f"no weight-broadcast group for engine kind {engine_kind!r} with backend {backend!r}")
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     loopback = master_address in ("127.0.0.1", "localhost", "::1")
@@ -217,31 +256,28 @@ def new_sender_group(
         else dist.ProcessGroupGloo.create_default_device()
     )
     options._devices = [device]
-    return dist.ProcessGroupGloo(store, 0, world_size, options)
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"{group_name}/", store), 0, world_size, options)
 
 
 def connect_broadcast_group(
-    engines: list,
-    gpus_per_engine: int,
-    master_address: str,
-    engine_kind: str,
-    group_name: str = GROUP_NAME,
-) -> dist.ProcessGroup:
+    engines: list, gpus_per_engine: int, master_address: str, engine_kind: str
+) -> BroadcastGroup:
     """Form the weight-broadcast group: this process (training rank 0) as rank 0, then every engine rank.
 
     The engines are asked to join (`init_weights_update_group`) concurrently with this process
-    creating the store, since each side waits for the other.
+    creating the store, since each side waits for the other. Each call makes a group with a new
+    name, so a trainer can reconnect to restarted engines.
 
     Args:
         engines: Engine handles; engine `e` takes ranks `1 + e * g ... (e + 1) * g`.
         gpus_per_engine: `g`, ranks per engine.
         master_address: Address of this process that every engine can reach.
-        engine_kind: "sglang" or "cpu" (`--rollout-backend`), which fixes the store-key prefix.
-        group_name: Name the engines file the group under.
+        engine_kind: "sglang" or "cpu" (`--rollout-backend`); see `new_sender_group`.
 
     Returns:
         The group; pass it to `send_buckets_by_broadcast`.
     """
+    name = f"{GROUP_NAME}_{uuid.uuid4().hex[:12]}"
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     port = get_free_port(master_address)
     world_size = 1 + len(engines) * gpus_per_engine
@@ -255,27 +291,24 @@ def connect_broadcast_group(
                 master_port=port,
                 rank_offset=1 + index * gpus_per_engine,
                 world_size=world_size,
-                group_name=group_name,
+                group_name=name,
                 backend=backend,
             )
             for index, engine in enumerate(engines)
         ]
-        group = new_sender_group(
-            backend, master_address, port, world_size, STORE_PREFIX[engine_kind].format(name=group_name)
-        )
+        group = new_sender_group(engine_kind, backend, master_address, port, world_size, name)
         for join in joins:
             join.result()
-    return group
+    return BroadcastGroup(group, name)
 
 
 def send_buckets_by_broadcast(
     model: nn.Module,
     engines: list,
-    group: dist.ProcessGroup | None,
+    group: BroadcastGroup | None,
     weight_version: str,
     buffer_size: int,
     dtype: torch.dtype | None = None,
-    group_name: str = GROUP_NAME,
 ) -> None:
     """Disaggregated update: every rank joins each bucket's gather; rank 0 (holding `group`) sends.
 
@@ -286,7 +319,6 @@ def send_buckets_by_broadcast(
         weight_version: Label the engines report afterwards.
         buffer_size: Bucket byte limit.
         dtype: Send dtype (None: the parameter dtype).
-        group_name: The group's name on the engines.
     """
     for bucket in full_parameter_buckets(model, buffer_size, dtype):
         if group is None:
@@ -300,7 +332,7 @@ def send_buckets_by_broadcast(
                     names=[name for name, _ in bucket],
                     dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in bucket],
                     shapes=[list(tensor.shape) for _, tensor in bucket],
-                    group_name=group_name,
+                    group_name=group.name,
                     flush_cache=False,
                     weight_version=weight_version,
                 )
@@ -310,7 +342,7 @@ def send_buckets_by_broadcast(
                 options = dist.BroadcastOptions()
                 options.rootRank = 0
                 options.rootTensor = 0
-                group.broadcast([tensor], options).wait()
+                group.group.broadcast([tensor], options).wait()
             for receive in receives:
                 receive.result()
 

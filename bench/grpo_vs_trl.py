@@ -1,0 +1,153 @@
+"""GRPO step time and peak memory: slime vs TRL's GRPOTrainer on the same model and config.
+
+    pip install trl==1.16.0                      # bench-only dependency
+    python bench/grpo_vs_trl.py --model models/SmolLM2-135M-Instruct --steps 6
+
+Config on both sides: 8 prompts x 4 samples per step, 32 new tokens, temperature 1, lr 1e-5,
+beta 0 (no KL), one optimizer step per rollout, one torch thread per process (slime's engine
+and trainer take turns, so together they use one core at a time). Each side runs in its own
+subprocess, one after the other; peak RSS is the largest sum over that subprocess and all its
+descendants (Ray's own daemons included for slime), sampled every 0.2 s. Seconds per step are
+the mean of steps 2..N (step 1 includes warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_and_measure(command: list[str], env: dict[str, str]) -> tuple[int, float]:
+    """Run `command`; return (exit code, peak RSS in GiB of the process tree)."""
+    process = subprocess.Popen(command, env=env, cwd=REPO)
+    peak = 0
+    stop = threading.Event()
+
+    def sample():
+        nonlocal peak
+        root = psutil.Process(process.pid)
+        while not stop.is_set():
+            try:
+                tree = [root, *root.children(recursive=True)]
+                total = 0
+                for p in tree:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                peak = max(peak, total)
+            except psutil.Error:
+                pass
+            stop.wait(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    code = process.wait()
+    stop.set()
+    sampler.join()
+    return code, peak / 2**30
+
+
+def mean_after_first(times: list[float]) -> float:
+    later = times[1:] or times
+    return sum(later) / len(later)
+
+
+def bench_slime(model: str, data: Path, steps: int, workdir: Path) -> tuple[float, float]:
+    save_dir = workdir / "slime"
+    command = [
+        sys.executable, "train.py",
+        "--hf-checkpoint", model,
+        "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+        "--rm-type", "last_number",
+        "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--num-rollout", str(steps),
+        "--rollout-max-response-len", "32", "--rollout-temperature", "1.0",
+        "--advantage-estimator", "grpo", "--lr", "1e-5",
+        "--train-num-threads", "1", "--cpu-engine-num-threads", "1",
+        "--save", str(save_dir),
+    ]  # fmt: skip
+    code, peak = run_and_measure(command, dict(os.environ))
+    if code != 0:
+        raise SystemExit(f"slime run failed with exit code {code}")
+    history = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    step_times = [h["perf/step_time"] for h in history if "perf/step_time" in h]
+    return mean_after_first(step_times), peak
+
+
+TRL_SCRIPT = """
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from datasets import load_dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from slime.rollout.rm_hub.last_number import compute_last_number_reward
+
+model, data, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+dataset = load_dataset("json", data_files=data, split="train")
+dataset = dataset.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]})
+
+def reward(completions, label, **kwargs):
+    return [compute_last_number_reward(c[0]["content"], l) for c, l in zip(completions, label)]
+
+class StepTimer(TrainerCallback):
+    def __init__(self):
+        self.times, self.started = [], None
+    def on_step_begin(self, args, state, control, **kw):
+        self.started = time.perf_counter()
+    def on_step_end(self, args, state, control, **kw):
+        self.times.append(time.perf_counter() - self.started)
+
+config = GRPOConfig(
+    output_dir=out, per_device_train_batch_size=32, num_generations=4, max_completion_length=32,
+    temperature=1.0, learning_rate=1e-5, beta=0.0, max_steps=steps, logging_steps=1, report_to=[],
+    use_cpu=True, bf16=False, save_strategy="no", num_iterations=1, gradient_accumulation_steps=1,
+)
+timer = StepTimer()
+trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[timer])
+trainer.train()
+json.dump(timer.times, open(out + "/step_times.json", "w"))
+"""
+
+
+def bench_trl(model: str, data: Path, steps: int, workdir: Path) -> tuple[float, float]:
+    out = workdir / "trl"
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    code, peak = run_and_measure([sys.executable, "-c", TRL_SCRIPT, model, str(data), str(steps), str(out)], env)
+    if code != 0:
+        raise SystemExit(f"TRL run failed with exit code {code}")
+    return mean_after_first(json.loads((out / "step_times.json").read_text())), peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    parser.add_argument("--data", default="data/addition/train.jsonl", help="from tools/make_addition_dataset.py")
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    model = str(Path(args.model).resolve())
+    data = Path(args.data).resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        slime_step, slime_peak = bench_slime(model, data, args.steps, Path(tmp))
+        trl_step, trl_peak = bench_trl(model, data, args.steps, Path(tmp))
+    print(f"{'':8} {'s/step':>8} {'peak RSS GiB':>13}")
+    print(f"{'slime':8} {slime_step:8.1f} {slime_peak:13.2f}")
+    print(f"{'TRL':8} {trl_step:8.1f} {trl_peak:13.2f}")
+    print(
+        f"speed ratio slime/TRL (steps/s): {trl_step / slime_step:.2f}x   memory ratio slime/TRL: {slime_peak / trl_peak:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
