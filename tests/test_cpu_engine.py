@@ -18,16 +18,12 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+import torch.distributed as dist
 from tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slime.backends.cpu_engine import (
-    ServerArgs,
-    broadcast_tensor,
-    init_weight_update_group,
-    launch_server,
-    serialize_named_tensors,
-)
+from slime.backends.cpu_engine import ServerArgs, launch_server
+from slime.utils.weight_transport import init_process_group_like_sglang, serialize_named_tensors
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_IDS = [264, 224, 303, 296, 272]
@@ -615,7 +611,8 @@ def test_update_weights_from_distributed_over_gloo(server, ref_model, tiny_model
                 "backend": "gloo",
             },
         )
-        group = init_weight_update_group("127.0.0.1", port, 0, 2, group_name)  # this process is the trainer
+        # this process is the trainer
+        group = init_process_group_like_sglang("gloo", "127.0.0.1", port, 0, 2, group_name)
         assert joined.result(timeout=60).json()["success"] is True
         names = list(state)
         received = pool.submit(
@@ -630,8 +627,9 @@ def test_update_weights_from_distributed_over_gloo(server, ref_model, tiny_model
             },
         )
         for name in names:
-            broadcast_tensor(group, state[name].contiguous(), src=0)
+            dist.broadcast(state[name].contiguous(), src=0, group=group)
         response = received.result(timeout=60)
+        dist.destroy_process_group(group)
     assert response.status_code == 200, response.text
     after = greedy(server, PROMPT_IDS)
     assert after["output_ids"] == expected and after["meta_info"]["weight_version"] == "step-7"

@@ -353,7 +353,7 @@ def test_update_weights_from_disk(engine, tiny_model_dir, tmp_path):
 
 
 def test_update_weights_from_tensor(engine, tiny_model_dir):
-    from slime.backends.cpu_engine import serialize_named_tensors
+    from slime.utils.weight_transport import serialize_named_tensors
 
     model = _zeroed_model(tiny_model_dir)
     payload = [serialize_named_tensors(list(model.state_dict().items()))]
@@ -367,7 +367,9 @@ def test_update_weights_from_tensor(engine, tiny_model_dir):
 
 
 def test_update_weights_from_distributed_over_gloo(engine, tiny_model_dir):
-    from slime.backends.cpu_engine import broadcast_tensor, init_weight_update_group
+    import torch.distributed as dist
+
+    from slime.utils.weight_transport import init_process_group_like_sglang
 
     model = _zeroed_model(tiny_model_dir)
     named = list(model.state_dict().items())
@@ -375,7 +377,7 @@ def test_update_weights_from_distributed_over_gloo(engine, tiny_model_dir):
     with ThreadPoolExecutor(1) as pool:
         # The engine (rank 1) and this process (rank 0, the trainer) must join at the same time.
         joined = pool.submit(engine.init_weights_update_group, "127.0.0.1", port, 1, 2, group_name, "gloo")
-        group = init_weight_update_group("127.0.0.1", port, 0, 2, group_name)
+        group = init_process_group_like_sglang("gloo", "127.0.0.1", port, 0, 2, group_name)
         joined.result(timeout=60)
         received = pool.submit(
             engine.update_weights_from_distributed,
@@ -386,8 +388,9 @@ def test_update_weights_from_distributed_over_gloo(engine, tiny_model_dir):
             weight_version="dist-zeros",
         )
         for _, tensor in named:
-            broadcast_tensor(group, tensor, src=0)
+            dist.broadcast(tensor, src=0, group=group)
         received.result(timeout=60)
+        dist.destroy_process_group(group)
     _assert_uniform_logprobs(_generate(engine, [11, 12]), model.config.vocab_size, "dist-zeros")
     engine.destroy_weights_update_group(group_name)
     with pytest.raises(HTTPRequestError, match="no weight update group"):

@@ -7,7 +7,6 @@ The expected values come from a plain HF model given the trainer's gathered weig
 
 from __future__ import annotations
 
-import datetime
 import os
 import subprocess
 import sys
@@ -17,12 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_fsdp_backend import make_rollout
-from torch.distributed.distributed_c10d import _new_process_group_helper
 from transformers import AutoModelForCausalLM
 
 from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
 from slime.backends.fsdp_utils.model import gather_full_state_dict
-from slime.backends.fsdp_utils.update_weight import new_sender_group
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.utils.arguments import parse_args
 from slime.utils.http_utils import find_free_port, wait_until_healthy
@@ -152,44 +149,3 @@ def test_update_weights_makes_engine_match_trainer(tiny_model_dir, engine, coloc
         assert client.get_model_info()["weight_version"] == expected_version
         assert actor.check_weights_equal()["max_abs_diff"] < 1e-4
         print(f"{'tensor' if colocate else 'distributed'} update {expected_version}: log-prob gap {gap:.2e}")
-
-
-def _sglang_style_receiver(address: str, port: int, group_name: str, shapes: list[list[int]], queue) -> None:
-    """An engine rank joining the way SGLang's `init_custom_process_group` does: a client TCP store,
-    `PrefixStore(group_name)`, then torch's own group constructor; then it receives broadcasts."""
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore(address, port, 2, is_master=False, timeout=timeout)
-    group, _ = _new_process_group_helper(
-        2, 1, [], "gloo", dist.PrefixStore(group_name, store), group_name=group_name, timeout=timeout
-    )
-    received = []
-    for shape in shapes:
-        tensor = torch.empty(shape)
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        group.broadcast([tensor], options).wait()
-        received.append(tensor)
-    queue.put([t.tolist() for t in received])
-
-
-def test_sender_group_joins_an_sglang_style_engine_rank():
-    """The "sglang" engine kind builds its store prefixes the way SGLang's engines do, so ranks meet."""
-    sent = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.full((4,), 2.5)]
-    port = find_free_port()
-    context = torch.multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    receiver = context.Process(
-        target=_sglang_style_receiver, args=("127.0.0.1", port, "probe_group", [list(t.shape) for t in sent], queue)
-    )
-    receiver.start()
-    try:
-        group = new_sender_group("sglang", "gloo", "127.0.0.1", port, 2, "probe_group")
-        for tensor in sent:
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            group.broadcast([tensor], options).wait()
-        assert queue.get(timeout=60) == [t.tolist() for t in sent]
-    finally:
-        receiver.join(timeout=30)
-        if receiver.is_alive():
-            receiver.kill()

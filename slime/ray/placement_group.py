@@ -50,7 +50,7 @@ def init_ray(num_cpus: int | None = None) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"])
         return
     logical_cpus = max(os.cpu_count() or 1, num_cpus or 0)
-    ray.init(num_cpus=logical_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=logical_cpus, include_dashboard=False, logging_level=logging.WARNING)
 
 
 @ray.remote(num_cpus=0)

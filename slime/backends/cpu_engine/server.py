@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from aiohttp import web
 
 from slime.backends.cpu_engine import weights
@@ -54,6 +55,7 @@ from slime.backends.cpu_engine.protocol import (
     parse_generate_request,
 )
 from slime.backends.cpu_engine.sampling import SamplingParams
+from slime.utils import weight_transport
 
 logger = logging.getLogger(__name__)
 
@@ -410,7 +412,7 @@ async def update_weights_from_tensor(request: web.Request) -> dict:
             if not isinstance(payload, str):
                 raise RequestError(f"serialized_named_tensors[{i}] must be a base64 string")
             try:
-                named.extend(weights.deserialize_named_tensors(payload))
+                named.extend(weight_transport.deserialize_named_tensors(payload))
             except Exception as error:
                 raise RequestError(f"serialized_named_tensors[{i}] could not be unpacked: {error!r}") from error
         return named
@@ -437,7 +439,13 @@ async def init_weights_update_group(request: web.Request) -> str:
     if group_name in groups:
         raise RequestError(f"group {group_name!r} already exists; destroy it first")
     groups[group_name] = await asyncio.to_thread(
-        weights.init_weight_update_group, master_address, master_port, rank_offset, world_size, group_name
+        weight_transport.init_process_group_like_sglang,
+        backend,
+        master_address,
+        master_port,
+        rank_offset,
+        world_size,
+        group_name,
     )
     return f"joined group {group_name!r} as rank {rank_offset} of {world_size}"
 
@@ -468,7 +476,7 @@ async def update_weights_from_distributed(request: web.Request) -> dict:
         received = []
         for name, dtype, shape in zip(names, torch_dtypes, shapes):
             tensor = torch.empty(shape, dtype=dtype)
-            weights.broadcast_tensor(group, tensor, src=0)
+            dist.broadcast(tensor, src=0, group=group)
             received.append((name, tensor))
         return received
 
@@ -482,8 +490,11 @@ async def update_weights_from_distributed(request: web.Request) -> dict:
 async def destroy_weights_update_group(request: web.Request) -> str:
     body = await _json_body(request)
     group_name = _field(body, "group_name", str, "weight_update_group")
-    if request.app[_STATE]["groups"].pop(group_name, None) is None:
+    group = request.app[_STATE]["groups"].pop(group_name, None)
+    if group is None:
         raise RequestError(f"no weight update group {group_name!r}")
+    # Unregisters the name too, so a later /init_weights_update_group may reuse it.
+    await asyncio.to_thread(dist.destroy_process_group, group)
     return f"left group {group_name!r}"
 
 

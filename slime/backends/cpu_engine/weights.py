@@ -1,36 +1,19 @@
-"""Model weights of the CPU engine: load, replace by name, free and restore, and the two live transports.
+"""Model weights of the CPU engine: load, replace by name, free and restore.
 
 Names are HuggingFace parameter names (`model.layers.0.self_attn.q_proj.weight`, ...), as in
 the model's `state_dict`; tied aliases (`lm_head.weight` of a tied model) are accepted too.
-
-Transports from a trainer:
-- same host: `serialize_named_tensors` pickles tensors with torch's shared-memory reductions
-  using the `file_system` strategy (a named shared-memory segment; the default file-descriptor
-  strategy only works between a parent and its children) and base64-encodes the bytes, which is
-  what SGLang's `MultiprocessingSerializer` sends as `serialized_named_tensors`.
-  `deserialize_named_tensors` maps the segments; only one copy (into the parameters) is made.
-  The payload is a pickle: only accept it from a trusted trainer (the server binds 127.0.0.1).
-- any host: `init_weight_update_group` builds a gloo process group on its own TCP store, outside
-  any `torch.distributed` default group, so trainer rank 0 and the engines form a small world of
-  their own; rank 0 then `broadcast_tensor`s every tensor.
+The live transports from a trainer (shared-memory payloads, a broadcast group built the SGLang
+way) are in `slime.utils.weight_transport`, shared with the trainers that send.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import ctypes
-import datetime
 import gc
-import io
-import pickle
-from collections.abc import Iterator
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -177,95 +160,6 @@ def allocate_parameters(model, layout: dict[str, tuple[torch.Size, torch.dtype]]
     params = dict(model.named_parameters())
     for name, (shape, dtype) in layout.items():
         params[name].data = torch.empty(shape, dtype=dtype)
-
-
-@contextlib.contextmanager
-def _file_system_sharing() -> Iterator[None]:
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        torch.multiprocessing.set_sharing_strategy(previous)
-
-
-def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """Put CPU tensors in shared memory and return the base64 pickle an engine on this host can map.
-
-    The caller's tensors are copied, not moved; the shared segments live until the engine has
-    mapped and released them.
-
-    Args:
-        named_tensors: (HF parameter name, tensor) pairs.
-
-    Returns:
-        One element of `serialized_named_tensors` for /update_weights_from_tensor.
-    """
-    shared = [(name, tensor.detach().to("cpu", copy=True).contiguous()) for name, tensor in named_tensors]
-    buffer = io.BytesIO()
-    with _file_system_sharing():
-        ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(shared)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of `serialize_named_tensors`; ValueError when the payload is not a list of (name, tensor)."""
-    named_tensors = pickle.loads(base64.b64decode(payload, validate=True))
-    if not isinstance(named_tensors, list) or not all(
-        isinstance(item, tuple | list)
-        and len(item) == 2
-        and isinstance(item[0], str)
-        and isinstance(item[1], torch.Tensor)
-        for item in named_tensors
-    ):
-        raise ValueError("the payload does not hold a list of (name, tensor) pairs")
-    return [(name, tensor) for name, tensor in named_tensors]
-
-
-def init_weight_update_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-) -> dist.ProcessGroup:
-    """Join (rank 0: host) a gloo group of its own; blocks until all `world_size` ranks have joined.
-
-    Both sides (trainer rank 0 and every engine) call this with the same address, port and name.
-
-    Args:
-        master_address: Host of rank 0, where the TCP store listens.
-        master_port: Port of that store.
-        rank: This process's rank; the trainer is 0, engines use `rank_offset`.
-        world_size: 1 (trainer) + number of engine ranks.
-        group_name: Prefix for the store keys, so several groups may share one store port over time.
-        timeout: For joining and for each collective.
-
-    Returns:
-        A `ProcessGroupGloo`; pass it to `broadcast_tensor`.
-    """
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    store = dist.PrefixStore(f"{group_name}/", store)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    # Bind where the master is reachable; loopback needs no interface lookup by hostname.
-    loopback = master_address in ("127.0.0.1", "localhost", "::1")
-    device = (
-        dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-        if loopback
-        else dist.ProcessGroupGloo.create_default_device()
-    )
-    options._devices = [device]
-    return dist.ProcessGroupGloo(store, rank, world_size, options)
-
-
-def broadcast_tensor(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
-    """Broadcast `tensor` in place from rank `src` of a group made by `init_weight_update_group`."""
-    options = dist.BroadcastOptions()
-    options.rootRank = src
-    options.rootTensor = 0
-    group.broadcast([tensor], options).wait()
 
 
 def parse_dtype(name: str) -> torch.dtype:

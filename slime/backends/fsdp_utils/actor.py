@@ -284,8 +284,8 @@ class FSDPTrainRayActor(TrainRayActor):
             else:
                 data["log_probs"] = self._forward_per_sample(steps, num_samples, "log_probs")
                 if data.get("rollout_log_probs") is not None:
-                    metrics["train_rollout_logprob_abs_diff"] = self._masked_mean_abs_diff(
-                        data["log_probs"], data["rollout_log_probs"], data["loss_masks"]
+                    metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
+                        self._logprob_abs_diff(data["log_probs"], data["rollout_log_probs"], data["loss_masks"])
                     )
             if values_refs is not None:
                 data["values"] = self._values_for_this_rank(values_refs)
@@ -374,13 +374,21 @@ class FSDPTrainRayActor(TrainRayActor):
             norm = norm.full_tensor()
         return float(norm)
 
-    def _masked_mean_abs_diff(self, a: list[torch.Tensor], b: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
+    def _logprob_abs_diff(
+        self, a: list[torch.Tensor], b: list[torch.Tensor], masks: list[torch.Tensor]
+    ) -> tuple[float, float]:
+        """Mean and max of |a - b| over trainable tokens of all ranks (trainer vs engine log-probs)."""
         totals = torch.zeros(2, dtype=torch.float64)
+        largest = torch.zeros(1, dtype=torch.float64)
         for x, y, mask in zip(a, b, masks, strict=True):
-            totals[0] += float(((x - y).abs() * mask).sum())
+            diff = (torch.as_tensor(x, dtype=torch.float64) - torch.as_tensor(y, dtype=torch.float64)).abs() * mask
+            totals[0] += float(diff.sum())
             totals[1] += float(mask.sum())
+            largest = torch.maximum(largest, diff.max(dim=0, keepdim=True).values if diff.numel() else largest)
         totals = self._all_reduce(totals)
-        return float(totals[0] / totals[1].clamp_min(1))
+        largest = largest.to(self._collective_device())
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return float(totals[0] / totals[1].clamp_min(1)), float(largest.cpu())
 
     def _collective_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")

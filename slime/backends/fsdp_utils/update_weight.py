@@ -10,10 +10,13 @@ collective every training rank joins), under its HuggingFace name, and send buck
   the `file_system` strategy on CPU), base64-encodes it, and the first rank of the span posts one
   payload per engine TP rank to `/update_weights_from_tensor`. Only same-host engines can map it.
 - disaggregated, `send_buckets_by_broadcast`: training rank 0 forms a process group of its own
-  with every engine rank (`connect_broadcast_group`: NCCL on GPU, gloo on CPU; its own TCP store,
-  not the training group, wrapped in store prefixes exactly as the engine kind expects: see
-  `new_sender_group`), then per bucket posts the names/dtypes/shapes to
+  with every engine rank (`connect_broadcast_group`: NCCL between GPUs, gloo when either side is
+  on CPU; its own TCP store, not the training group, built the way SGLang builds it, which slime's
+  CPU engine follows too), then per bucket posts the names/dtypes/shapes to
   `/update_weights_from_distributed` and broadcasts the tensors in that order.
+
+The payload format and the group construction live in `slime.utils.weight_transport`, shared with
+the engines that receive.
 
 The caller (`FSDPTrainRayActor.update_weights`) pauses the engines and flushes their caches first,
 resumes them afterwards, and labels every update with the next integer weight version.
@@ -24,28 +27,21 @@ Engines are Ray actor handles of `RolloutEngine` or plain clients with the same 
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import datetime
-import io
-import pickle
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
-import torch.multiprocessing
 from torch import nn
-from torch.distributed.distributed_c10d import _new_process_group_helper
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import reshard
 from slime.ray.train_actor import get_free_port
+from slime.utils.weight_transport import init_process_group_like_sglang, serialize_named_tensors
 
 GROUP_NAME = "slime_weight_update"
 
@@ -100,38 +96,6 @@ def full_parameter_buckets(
 # ---------------------------------------------------------------------------------------------
 # Colocated: tensors through shared memory
 # ---------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _file_system_sharing() -> Iterator[None]:
-    # The default file-descriptor strategy only works between a parent and its children.
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        torch.multiprocessing.set_sharing_strategy(previous)
-
-
-def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """Base64 pickle of (name, tensor) pairs whose storage a process on this host can map.
-
-    CPU tensors are copied into named shared memory first (so the engine never aliases live
-    trainer memory); CUDA tensors travel as IPC handles. Pickling takes a shared reference on
-    each CPU segment that the receiver releases once it has mapped it, so the caller's copies
-    may be freed right away.
-
-    Args:
-        named_tensors: (HF name, tensor) pairs.
-
-    Returns:
-        One element of `serialized_named_tensors` for `/update_weights_from_tensor`.
-    """
-    shareable = [(name, t if t.is_cuda else t.detach().to("cpu", copy=True)) for name, t in named_tensors]
-    buffer = io.BytesIO()
-    with _file_system_sharing():
-        ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(shareable)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def engine_span_groups(world_size: int, gpus_per_engine: int) -> list[dist.ProcessGroup | None]:
@@ -209,61 +173,12 @@ class BroadcastGroup:
     name: str
 
 
-def new_sender_group(
-    engine_kind: str,
-    backend: str,
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    group_name: str,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-) -> dist.ProcessGroup:
-    """Rank 0 of a fresh process group on its own TCP store, built exactly as the engines build theirs
-    (blocks until every rank has joined).
-
-    The ranks find each other through store keys, so both sides must wrap the store identically:
-
-    - "sglang": SGLang's `init_custom_process_group` wraps it in `PrefixStore(group_name)` and hands it
-      to torch's group constructor (`_new_process_group_helper`, which adds its own prefixes); so do we.
-    - "cpu": slime's CPU engine wraps it in `PrefixStore(group_name + "/")` around a plain `ProcessGroupGloo`.
-
-    Args:
-        engine_kind: "sglang" or "cpu" (`--rollout-backend`).
-        backend: "nccl" or "gloo".
-        master_address: Address of this process that every engine can reach.
-        master_port: Free port for the store.
-        world_size: 1 + number of engine ranks.
-        group_name: Name of the group on every side.
-        timeout: For joining and for each collective.
-
-    Returns:
-        The process group.
-    """
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
-    if engine_kind == "sglang":
-        group, _ = _new_process_group_helper(
-            world_size, 0, [], backend, dist.PrefixStore(group_name, store), group_name=group_name, timeout=timeout
-        )
-        return group
-    if engine_kind != "cpu" or backend != "gloo":
-        raise ValueError(f"no weight-broadcast group for engine kind {engine_kind!r} with backend {backend!r}")
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    loopback = master_address in ("127.0.0.1", "localhost", "::1")
-    device = (
-        dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-        if loopback
-        else dist.ProcessGroupGloo.create_default_device()
-    )
-    options._devices = [device]
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"{group_name}/", store), 0, world_size, options)
-
-
 def connect_broadcast_group(
     engines: list, gpus_per_engine: int, master_address: str, engine_kind: str
 ) -> BroadcastGroup:
     """Form the weight-broadcast group: this process (training rank 0) as rank 0, then every engine rank.
 
+    Every side builds the group with SGLang's store layout (`init_process_group_like_sglang`).
     The engines are asked to join (`init_weights_update_group`) concurrently with this process
     creating the store, since each side waits for the other. Each call makes a group with a new
     name, so a trainer can reconnect to restarted engines.
@@ -272,13 +187,14 @@ def connect_broadcast_group(
         engines: Engine handles; engine `e` takes ranks `1 + e * g ... (e + 1) * g`.
         gpus_per_engine: `g`, ranks per engine.
         master_address: Address of this process that every engine can reach.
-        engine_kind: "sglang" or "cpu" (`--rollout-backend`); see `new_sender_group`.
+        engine_kind: "sglang" or "cpu" (`--rollout-backend`); picks the collective backend: NCCL for
+            SGLang when this process has CUDA, gloo otherwise (the CPU engine only speaks gloo).
 
     Returns:
         The group; pass it to `send_buckets_by_broadcast`.
     """
     name = f"{GROUP_NAME}_{uuid.uuid4().hex[:12]}"
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if engine_kind == "sglang" and torch.cuda.is_available() else "gloo"
     port = get_free_port(master_address)
     world_size = 1 + len(engines) * gpus_per_engine
     with ThreadPoolExecutor(max_workers=len(engines)) as pool:
@@ -296,7 +212,7 @@ def connect_broadcast_group(
             )
             for index, engine in enumerate(engines)
         ]
-        group = new_sender_group(engine_kind, backend, master_address, port, world_size, name)
+        group = init_process_group_like_sglang(backend, master_address, port, 0, world_size, name)
         for join in joins:
             join.result()
     return BroadcastGroup(group, name)
@@ -339,10 +255,7 @@ def send_buckets_by_broadcast(
                 for engine in engines
             ]
             for _, tensor in bucket:
-                options = dist.BroadcastOptions()
-                options.rootRank = 0
-                options.rootTensor = 0
-                group.group.broadcast([tensor], options).wait()
+                dist.broadcast(tensor, src=0, group=group.group)
             for receive in receives:
                 receive.result()
 
