@@ -22,6 +22,7 @@ ARGS=(
     --eval-prompt-data addition data/addition/eval.jsonl --eval-interval 10
     --eval-temperature 0 --eval-max-response-len 32
     --save "$OUT" --save-interval 10
-    --train-num-threads 1 --cpu-engine-num-threads 1
+    --train-num-threads 2 --cpu-engine-num-threads 1
 )
 python3 train.py "${ARGS[@]}" "$@"
+python3 tools/plot_metrics.py "$OUT/metrics.jsonl" --output "$OUT/curves.png"

@@ -2,7 +2,7 @@
 # Install slime with its test dependencies on a CPU machine and run the test suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.13.0 -e ".[dev]" || exit 1
+python3 -m pip install -q torch==2.13.0 -e ".[dev,megatron]" || exit 1
 python3 -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

@@ -271,7 +271,7 @@ def parse_layer_freq(value: Any) -> int | list[int]:
         text = text[1:-1]
     if re.fullmatch(r"\d+", text):
         return int(text)
-    pattern = rf"\[(\d+(?:\s*,\s*\d+)*)\]\s*\*\s*(\d+)"
+    pattern = r"\[(\d+(?:\s*,\s*\d+)*)\]\s*\*\s*(\d+)"
     if re.fullmatch(rf"{pattern}(\s*\+\s*{pattern})*", text):
         freq: list[int] = []
         for items, count in re.findall(pattern, text):
@@ -316,10 +316,14 @@ def transformer_config_from_args(args: argparse.Namespace):
     bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     te = use_transformer_engine(args)
+    activation_fusion = "bias_swiglu_fusion" if swiglu else "bias_gelu_fusion"
+    gradient_fusion_off = "no_gradient_accumulation_fusion"
+    # Megatron-LM's default FFN width: 4h, or 2/3 of it (rounded down to 64) for SwiGLU.
+    default_ffn = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * args.hidden_size
     kwargs.update(
         num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
         kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
-        ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size,
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or default_ffn,
         normalization=_get(args, "normalization"),
         layernorm_epsilon=float(_get(args, "norm_epsilon")),
         layernorm_zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)),
@@ -344,14 +348,11 @@ def transformer_config_from_args(args: argparse.Namespace):
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         use_cpu_initialization=not torch.cuda.is_available(),
         # Fused kernels need CUDA (and most need TE); off otherwise.
-        bias_activation_fusion=te and _switch(args, "bias_swiglu_fusion" if swiglu else "bias_gelu_fusion",
-                                              "no_bias_swiglu_fusion" if swiglu else "no_bias_gelu_fusion"),
+        bias_activation_fusion=te and _switch(args, activation_fusion, "no_" + activation_fusion),
         bias_dropout_fusion=te and _switch(args, "bias_dropout_fusion", "no_bias_dropout_fusion"),
         masked_softmax_fusion=te and _switch(args, "masked_softmax_fusion", "no_masked_softmax_fusion"),
         apply_rope_fusion=te and _switch(args, "apply_rope_fusion", "no_rope_fusion"),
-        gradient_accumulation_fusion=te and _switch(
-            args, "gradient_accumulation_fusion", "no_gradient_accumulation_fusion"
-        ),
+        gradient_accumulation_fusion=te and _switch(args, "gradient_accumulation_fusion", gradient_fusion_off),
         persist_layer_norm=te and not getattr(args, "no_persist_layer_norm", False),
     )
     if getattr(args, "num_layers_per_virtual_pipeline_stage", None):

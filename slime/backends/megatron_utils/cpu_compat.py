@@ -8,10 +8,12 @@ to the real torch. Other libraries in the process keep the real torch.
 
 Rules:
 - It is a no-op when CUDA is available; never call it in the GPU training path.
-- Call it after importing the megatron modules you use (it patches loaded modules only; it also
-  imports the usual ones itself) and before building models.
+- Call it before building models. It patches the megatron modules loaded at that time (it imports
+  the usual ones itself); call it again after importing other megatron modules.
 - Keep it out of processes that also run transformers models: the patch is scoped to megatron's
-  modules, but a `Tensor.cuda()` on the CPU is made a no-op for the whole process.
+  modules, but two tensor methods change for the whole process: `Tensor.cuda()` returns the tensor
+  itself, and `Tensor.type()` (no arguments) calls CPU tensors "torch.cuda.*Tensor", because
+  megatron's optimizers accept parameters only under those names.
 """
 
 from __future__ import annotations
@@ -104,8 +106,23 @@ class _TorchOnCpu(types.ModuleType):
         return getattr(torch, name)
 
 
+_TORCH_ON_CPU = _TorchOnCpu()
+
+
 def _tensor_cuda_on_cpu(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return self
+
+
+_tensor_type = torch.Tensor.type
+
+
+def _tensor_type_as_cuda(self: torch.Tensor, *args, **kwargs):
+    """`t.type()` names CPU tensors like CUDA ones ("torch.cuda.FloatTensor"): megatron's optimizers
+    accept parameters only by those names. `t.type(dtype)` conversions are unchanged."""
+    name = _tensor_type(self, *args, **kwargs)
+    if args or kwargs or not name.startswith("torch.") or name.startswith("torch.cuda."):
+        return name
+    return "torch.cuda." + name[len("torch.") :]
 
 
 def apply_cpu_patch() -> bool:
@@ -117,14 +134,13 @@ def apply_cpu_patch() -> bool:
     global _patched
     if torch.cuda.is_available():
         return False
-    if _patched:
-        return True
     for name in _MEGATRON_MODULES:
         importlib.import_module(name)
-    torch_on_cpu = _TorchOnCpu()
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
-            module.torch = torch_on_cpu
+            module.torch = _TORCH_ON_CPU
+    if _patched:
+        return True
 
     # The CUDA RNG tracker reads and writes generator state through these two helpers.
     from megatron.core.tensor_parallel import random as tp_random
@@ -138,5 +154,6 @@ def apply_cpu_patch() -> bool:
         moe_utils.te_general_gemm = None
     # `.cuda()` on a tensor cannot be caught per module; on a CPU-only torch it can only fail anyway.
     torch.Tensor.cuda = _tensor_cuda_on_cpu
+    torch.Tensor.type = _tensor_type_as_cuda
     _patched = True
     return True

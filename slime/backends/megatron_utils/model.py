@@ -95,7 +95,10 @@ def gpt_layer_spec(args: argparse.Namespace, config, vp_stage: int | None = None
             "pass --spec MODULE FUNCTION; megatron-core's own specs do not have them."
         )
     return get_gpt_decoder_block_spec(
-        config, use_transformer_engine=use_transformer_engine(args), normalization=config.normalization, vp_stage=vp_stage
+        config,
+        use_transformer_engine=use_transformer_engine(args),
+        normalization=config.normalization,
+        vp_stage=vp_stage,
     )
 
 

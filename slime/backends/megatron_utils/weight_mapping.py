@@ -70,7 +70,11 @@ _GQA_ATTENTION: list[Rule] = [
         ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
         QKV,
     ),
-    (r"self_attention\.linear_qkv\.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), QKV),
+    (
+        r"self_attention\.linear_qkv\.bias",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        QKV,
+    ),
     (r"self_attention\.linear_proj\.weight", ("self_attn.o_proj.weight",), COPY),
 ]
 _QK_NORM: list[Rule] = [

@@ -1,0 +1,28 @@
+# GLM-4-9B-0414 (HF: THUDM/GLM-4-9B-0414, model_type glm4). Rotary on half of each head, interleaved;
+# extra norms after attention and after the MLP. megatron-core's own layer specs have no such norms:
+# add --spec MODULE FUNCTION naming a layer spec that does (FUNCTION(args, config, vp_stage)).
+# Source this, then pass "${MODEL_ARGS[@]}".
+MODEL_ARGS=(
+   --num-layers 40
+   --hidden-size 4096
+   --ffn-hidden-size 13696
+   --num-attention-heads 32
+   --group-query-attention
+   --num-query-groups 2
+   --kv-channels 128
+   --swiglu
+   --disable-bias-linear
+   --add-qkv-bias
+   --post-self-attn-layernorm
+   --post-mlp-layernorm
+   --normalization RMSNorm
+   --norm-epsilon 1e-5
+   --position-embedding-type rope
+   --rotary-base 10000
+   --rotary-percent 0.5
+   --rotary-interleaved
+   --no-rope-fusion
+   --max-position-embeddings 32768
+   --untie-embeddings-and-output-weights
+   --vocab-size 151552
+)

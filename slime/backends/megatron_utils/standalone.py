@@ -1,0 +1,96 @@
+"""Run megatron-core outside the Ray trainer (conversion tools): one process or torchrun, GPU or CPU.
+
+Without CUDA this applies the CPU patch of `cpu_compat` (gloo, fp32 or the checkpoint's dtype);
+keep transformers models out of such a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.megatron_utils.config import config_from_hf, load_hf_config
+from slime.utils.arguments import _extract_unknown_flags
+
+logger = logging.getLogger(__name__)
+
+_PARALLEL_FLAGS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
+def megatron_flags(argv: list[str]) -> dict[str, Any]:
+    """Typed Megatron flags from a command line: `--num-layers 28 --swiglu` -> {"num_layers": 28, "swiglu": True}."""
+    rest, found = _extract_unknown_flags(argv, set(), "--")
+    if rest:
+        raise SystemExit(f"unexpected arguments {rest}: every value must follow a --flag")
+    return {flag[2:].replace("-", "_"): value for flag, value in found.items()}
+
+
+def model_args(hf_dir: str, flags: dict[str, Any]) -> argparse.Namespace:
+    """Megatron model flags derived from an HF config, overridden by the flags given (e.g. `MODEL_ARGS`).
+
+    Without --bf16/--fp16 the parameters take the HF config's dtype, so a converted checkpoint keeps it.
+    """
+    args = config_from_hf(hf_dir)
+    vars(args).update(flags)
+    args.hf_checkpoint = hf_dir
+    if not getattr(args, "bf16", False) and not getattr(args, "fp16", False):
+        hf_config = load_hf_config(hf_dir)
+        dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
+        args.bf16 = dtype == "bfloat16"
+        args.fp16 = dtype == "float16"
+    return args
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """torch.distributed (torchrun's env, else a 1-process group) + Megatron's parallel state from `args`.
+
+    One process runs with all parallel sizes 1 whatever the flags say (a torch_dist checkpoint loads
+    under any layout); under torchrun the flags' sizes are used.
+    """
+    from slime.backends.megatron_utils.cpu_compat import apply_cpu_patch
+    from slime.backends.megatron_utils.model import initialize_model_parallel_from_args
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        for name in _PARALLEL_FLAGS:
+            if (getattr(args, name, None) or 1) != 1:
+                logger.info("one process: ignoring --%s %s", name.replace("_", "-"), getattr(args, name))
+            setattr(args, name, 1)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+        apply_cpu_patch()
+    initialize_model_parallel_from_args(args)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,49 @@
+"""Export any Megatron checkpoint slime saved to an HF folder, reusing the training command line.
+
+Pass the same flags as training (MODEL_ARGS, CKPT_ARGS, ...) plus `--output-dir`: `--load` is the
+checkpoint root, `--hf-checkpoint` the HF folder whose config and tokenizer are copied. Flags that do
+not describe the model (rollout, SGLang, ...) are ignored. In one process the parallel layout flags
+are ignored too: the checkpoint is resharded on load.
+
+Usage:
+    python tools/convert_to_hf.py ${MODEL_ARGS[@]} ${CKPT_ARGS[@]} --output-dir /root/export [--ckpt-step 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_hf_checkpoint
+from slime.backends.megatron_utils.config import resolve_family
+from slime.backends.megatron_utils.model import build_model
+from slime.backends.megatron_utils.standalone import init_distributed, megatron_flags, model_args, shutdown
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True, help="Checkpoint root (with latest_checkpointed_iteration.txt).")
+    parser.add_argument("--hf-checkpoint", required=True, help="The HF folder training started from.")
+    parser.add_argument("--output-dir", required=True, help="Where to write the HF folder.")
+    parser.add_argument("--ckpt-step", type=int, default=None, help="Iteration to export (default: the latest).")
+    parser.add_argument("--model-name", default=None, help="Model family (default: the config's model_type).")
+    parser.add_argument("--dtype", default=None, help="Weight dtype, e.g. bfloat16 (default: the HF config's).")
+    known, rest = parser.parse_known_args(argv)
+
+    args = model_args(known.hf_checkpoint, megatron_flags(rest))
+    family = resolve_family(known.model_name or args.model_name)
+    init_distributed(args)
+    model = build_model(args, wrap_with_ddp=False)
+    iteration, _ = load_checkpoint(known.load, model, iteration=known.ckpt_step)
+    dtype = getattr(torch, known.dtype) if known.dtype else None
+    output = save_hf_checkpoint(model, known.output_dir, known.hf_checkpoint, family, dtype=dtype, progress=True)
+    if output is not None:
+        print(f"iteration {iteration} -> {output}")
+    shutdown()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    main()
