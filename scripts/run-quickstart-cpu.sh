@@ -17,8 +17,9 @@ ARGS=(
     --prompt-data data/addition/train.jsonl --input-key prompt --label-key label --apply-chat-template
     --rm-type last_number
     --rollout-batch-size 8 --n-samples-per-prompt 4 --num-rollout "${NUM_ROLLOUT:-30}"
-    --rollout-max-response-len 32 --rollout-temperature 1.0
-    --advantage-estimator grpo --lr 1e-5
+    --rollout-max-response-len 32 --rollout-temperature 0.5
+    --advantage-estimator grpo --lr 2e-5
+    --use-dynamic-batch-size --max-tokens-per-gpu 4096
     --eval-prompt-data addition data/addition/eval.jsonl --eval-interval 10
     --eval-temperature 0 --eval-max-response-len 32
     --save "$OUT" --save-interval 10

@@ -1,6 +1,7 @@
 """Two CPU engines behind the real sglang-router on a local Ray cluster, driven by the RolloutManager."""
 
 import json
+from argparse import Namespace
 
 import pytest
 import ray
@@ -115,3 +116,61 @@ def test_killed_engine_is_reported_by_url(manager):
         ray.get(manager.generate.remote(6, 1))
     message = str(excinfo.value)
     assert "died" in message and urls[0] in message
+
+
+@pytest.fixture(scope="module")
+def filtering_manager(ray_cluster, tiny_model_dir, data_files):
+    args = rollout_args(
+        tiny_model_dir, *data_files,
+        "--rm-type", "random", "--over-sampling-batch-size", "4", "--partial-rollout",
+        "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+    )  # fmt: skip
+    args.rollout_num_gpus = 1
+    slices = create_placement_groups(args)
+    manager = create_rollout_manager(args, slices["rollout"])
+    yield manager
+    ray.get(manager.dispose.remote())
+    ray.util.remove_placement_group(slices["rollout"].pg)
+
+
+def test_over_sampling_keeps_only_groups_that_pass_the_filter(filtering_manager, tmp_path):
+    path = str(tmp_path / "rollout_{rollout_id}.pt")
+    ray.get(filtering_manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", path)))
+    batch = ray.get(filtering_manager.generate.remote(0, 1))
+    metrics = batch.metrics
+    samples = [Sample.from_dict(d) for d in torch.load(path.format(rollout_id=0), weights_only=False)["samples"]]
+    assert len(samples) == 4  # rollout batch 2 groups x 2 samples
+    for first, second in zip(samples[::2], samples[1::2], strict=True):
+        assert first.group_index == second.group_index and first.reward != second.reward
+    # Every drawn group is accounted for: kept, dropped by the filter, or handed back to the data source.
+    assert (
+        metrics["rollout/submitted_groups"]
+        == 2 + metrics["rollout/dropped_groups"] + metrics["rollout/returned_groups"]
+    )
+    buffer = ray.get(filtering_manager.__ray_call__.remote(lambda self: self.data_source.buffer))
+    assert len(buffer) == metrics["rollout/returned_groups"]
+    for group in buffer:
+        for s in group:
+            assert s.reward is None and s.status.value == "pending"
+            assert s.response_length == 0 or len(s.tokens) > s.response_length  # fresh, or a partial to continue
+
+
+def test_unused_groups_go_back_fresh_or_partial():
+    from slime.rollout.sglang_rollout import _return_to_data_source
+    from slime.utils.types import Status
+
+    class Collector:
+        def add_samples(self, groups):
+            self.groups = groups
+
+    aborted = Sample(index=0, prompt="p", tokens=[1, 2, 3], response="x", response_length=1, status=Status.ABORTED)
+    finished = Sample(index=1, prompt="p", tokens=[1, 2, 4], response="y", response_length=1, reward=1.0,
+                      status=Status.COMPLETED)  # fmt: skip
+    for partial, expected_lengths in ((True, [1, 0]), (False, [0, 0])):
+        collector = Collector()
+        groups = [[Sample.from_dict(aborted.to_dict()), Sample.from_dict(finished.to_dict())]]
+        assert _return_to_data_source(Namespace(partial_rollout=partial), groups, collector) == 1
+        returned = collector.groups[0]
+        assert [s.response_length for s in returned] == expected_lengths
+        assert all(s.status == Status.PENDING and s.reward is None for s in returned)
+        assert returned[1].tokens == [] and returned[1].prompt == "p"

@@ -168,23 +168,31 @@ async def abort_engines(args, state: RolloutState) -> None:
                 logger.warning("abort_request on %s answered HTTP %d", url, response.status)
 
 
+def _fresh_copy(sample: Sample) -> Sample:
+    """The sample as it came from the data source: prompt only, no response, no reward."""
+    fresh = copy.copy(sample)
+    fresh.tokens, fresh.response, fresh.response_length = [], "", 0
+    fresh.loss_mask = fresh.rollout_log_probs = None
+    fresh.weight_versions, fresh.reward, fresh.status = [], None, Status.PENDING
+    return fresh
+
+
+def _partial_or_fresh(sample: Sample) -> Sample:
+    """An aborted sample keeps its partial response, to be continued; any other starts over."""
+    if sample.status != Status.ABORTED:
+        return _fresh_copy(sample)
+    sample.status, sample.reward = Status.PENDING, None
+    return sample
+
+
 def _return_to_data_source(args, groups: list[list[Sample]], data_source) -> int:
-    """Put unfinished groups back so their prompts are not lost; keep partial responses under --partial-rollout."""
-    returned = []
-    for group in groups:
-        if args.partial_rollout:
-            for s in group:
-                s.status, s.reward = Status.PENDING, None
-            returned.append(group)
-        else:
-            fresh = []
-            for s in group:
-                reset = copy.copy(s)
-                reset.tokens, reset.response, reset.response_length = [], "", 0
-                reset.loss_mask = reset.rollout_log_probs = None
-                reset.weight_versions, reset.reward, reset.status = [], None, Status.PENDING
-                fresh.append(reset)
-            returned.append(fresh)
+    """Put groups this rollout did not use (finished extras, aborted ones) back, served first next time.
+
+    Under `--partial-rollout` aborted samples keep their partial responses; everything else goes
+    back as fresh prompts, so no prompt is lost either way.
+    """
+    reset = _partial_or_fresh if args.partial_rollout else _fresh_copy
+    returned = [[reset(s) for s in group] for group in groups]
     if returned:
         data_source.add_samples(returned)
     return len(returned)
@@ -199,13 +207,15 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
 
     kept: list[list[Sample]] = []
     pending: set[asyncio.Task] = set()
-    num_dropped = 0
+    unused: list[list[Sample]] = []  # groups generated beyond the target, or aborted
+    num_dropped = num_submitted = 0
     started = time.time()
     progress = tqdm(total=target, desc=f"rollout {rollout_id}", unit="group", leave=False)
     try:
         while len(kept) < target:
             if len(kept) + len(pending) < target:
                 for group in data_source.get_samples(fetch_size):
+                    num_submitted += 1
                     for s in group:
                         s.rollout_id = rollout_id
                     pending.add(asyncio.create_task(generate_and_rm_group(args, group, sampling_params)))
@@ -213,6 +223,7 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
             for task in done:
                 group = task.result()
                 if len(kept) >= target:
+                    unused.append(group)
                     continue
                 if state.dynamic_filter is not None:
                     verdict = state.dynamic_filter(args, group)
@@ -223,16 +234,16 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
                 progress.update(1)
     finally:
         progress.close()
-        leftover = []
         if pending:
             await abort_engines(args, state)
             for result in await asyncio.gather(*pending, return_exceptions=True):
                 if isinstance(result, list):
-                    leftover.append(result)
-        num_returned = _return_to_data_source(args, leftover, data_source)
+                    unused.append(result)
+        num_returned = _return_to_data_source(args, unused, data_source)
 
     kept.sort(key=lambda g: g[0].group_index if g[0].group_index is not None else 0)
     metrics = {
+        "rollout/submitted_groups": float(num_submitted),
         "rollout/dropped_groups": float(num_dropped),
         "rollout/returned_groups": float(num_returned),
         "rollout/generate_time": time.time() - started,

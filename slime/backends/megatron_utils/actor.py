@@ -1,0 +1,695 @@
+"""Megatron training rank: a megatron-core GPTModel (TP/PP/CP/EP, DDP, distributed optimizer) trained on
+rollout data and synced to the engines under HuggingFace names.
+
+Driver protocol: the same as the FSDP actor's (see slime/backends/fsdp_utils/actor.py):
+`init` -> `connect_rollout_engines` -> `update_weights`, then per rollout `train`, `save_model` at
+`--save-interval`, `sleep`/`wake_up` around generation, `check_weights_equal` on demand.
+
+Per rollout, in Megatron's `train_actor` order: reference log-probs (the reference weights are
+copied into the one model and back, as upstream's tensor backuper does: no second model), old
+log-probs with the current weights (skipped with `--use-rollout-logprobs`), advantages and returns,
+the `--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps. Every pass runs the
+same packed micro-batches through Megatron's forward-backward schedule (pipeline parallel aware).
+
+Data: the driver splits a rollout over all training ranks, but the ranks of one model-parallel
+group (TP x PP x CP) must see the same samples, so each group merges its members' shards
+(`data.merge_shards`) and data-parallel collectives run over Megatron's data-parallel group.
+
+Loss scaling: the loss of a micro-batch is this data-parallel rank's share of the global-batch
+value (`loss.StepNormalizer`). Megatron's schedule divides it by the micro-batch count (and
+multiplies by the CP size) and DDP averages gradients over data x context ranks, so the trainer
+multiplies by micro-batches x DP size: the gradient is then that of the global-batch loss, as in FSDP.
+
+On a machine without CUDA, megatron-core runs through `cpu_compat.apply_cpu_patch` (gloo, fp32,
+local layer spec): never load transformers models in this process there.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from argparse import Namespace
+from collections import defaultdict
+from functools import partial
+from typing import Any
+from urllib.parse import urlparse
+
+import ray
+import torch
+import torch.distributed as dist
+
+from slime.backends.megatron_utils import checkpoint
+from slime.backends.megatron_utils.config import args_vocab_size, config_from_hf, model_family, use_transformer_engine
+from slime.backends.megatron_utils.cp_utils import gather_zigzag, zigzag_positions, zigzag_slice
+from slime.backends.megatron_utils.data import (
+    PackedMicroBatch,
+    build_step_micro_batches,
+    merge_shards,
+    split_per_sample,
+)
+from slime.backends.megatron_utils.loss import LOSS_FUNCTIONS, ResponseOutputs, StepNormalizer, log_probs_and_entropy
+from slime.backends.megatron_utils.model import (
+    build_model,
+    build_optimizer,
+    initialize_model_parallel_from_args,
+    unwrap_model,
+)
+from slime.backends.megatron_utils.parallel import named_weights
+from slime.backends.megatron_utils.update_weight import (
+    call_engines,
+    connect_broadcast_group,
+    engine_prompt_log_probs,
+    engine_span_groups,
+    hf_weight_buckets,
+    probe_tokens,
+    send_buckets_as_tensors,
+    send_buckets_by_broadcast,
+)
+from slime.ray.train_actor import TrainRayActor
+from slime.utils.misc import load_function
+from slime.utils.ppo_utils import (
+    build_token_level_rewards,
+    compute_approx_kl,
+    distributed_masked_whiten,
+    get_advantages_and_returns_batch,
+    get_grpo_returns,
+    get_reinforce_plus_plus_baseline_advantages,
+    get_reinforce_plus_plus_returns,
+)
+
+logger = logging.getLogger(__name__)
+
+# Largest |trainer - engine| probe log-prob gap `check_weights_equal` accepts (fp32 CPU engines agree
+# to ~1e-5; bf16 GPU engines differ by up to ~0.1 with identical weights).
+WEIGHT_CHECK_TOLERANCE = 1e-3 if not torch.cuda.is_available() else 0.1
+
+
+def megatron_model_args(args: Namespace) -> Namespace:
+    """slime's args plus the model flags: `MODEL_ARGS` when given (`--num-layers` set), else derived
+    from the HF config of `--hf-checkpoint`.
+
+    The copy also turns off Megatron's own per-token loss averaging and NaN-gradient error: slime
+    normalizes the loss itself and skips non-finite steps, like the FSDP backend.
+    """
+    model_args = Namespace(**vars(args))
+    if getattr(args, "num_layers", None) is None:
+        if not getattr(args, "hf_checkpoint", None):
+            raise ValueError(
+                "the Megatron backend needs the model flags (source scripts/models/*.sh) or --hf-checkpoint"
+            )
+        vars(model_args).update(vars(config_from_hf(args.hf_checkpoint)))
+    model_args.calculate_per_token_loss = False
+    model_args.no_check_for_nan_in_loss_and_grad = True
+    return model_args
+
+
+def build_lr_scheduler(args: Namespace, optimizer):
+    """Megatron's `OptimizerParamScheduler` from --lr, --min-lr, --lr-warmup-*, --lr-decay-*, --weight-decay.
+
+    The decay length is `--lr-decay-iters`, else `--num-rollout x --num-steps-per-rollout`.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = getattr(args, "lr_decay_iters", None)
+    if decay_steps is None and getattr(args, "num_rollout", None):
+        decay_steps = args.num_rollout * args.num_steps_per_rollout
+    decay_steps = max(int(decay_steps or 1), 1)
+    warmup_fraction = getattr(args, "lr_warmup_fraction", None)
+    warmup_steps = int(warmup_fraction * decay_steps) if warmup_fraction is not None else args.lr_warmup_iters
+    if warmup_steps >= decay_steps and args.lr_decay_style != "constant":
+        raise ValueError(
+            f"--lr-warmup-iters {warmup_steps} must be below the decay length {decay_steps} "
+            "(--lr-decay-iters, or --num-rollout x --num-steps-per-rollout)"
+        )
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=float(getattr(args, "lr_warmup_init", 0.0) or 0.0),
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(decay_steps, warmup_steps + 1),
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+        wsd_decay_steps=getattr(args, "lr_wsd_decay_iters", None),
+        lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None),
+    )
+
+
+def compute_advantages_and_returns(
+    args: Namespace, data: dict, process_group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Set `data["advantages"]` and `data["returns"]` per `--advantage-estimator` (math in ppo_utils).
+
+    Same definitions as the FSDP backend; `--normalize-advantages` whitens over the trainable tokens
+    of the data-parallel group (a collective).
+    """
+    custom = getattr(args, "custom_advantage_function_path", None)
+    if custom:
+        load_function(custom)(args, data)
+        missing = [key for key in ("advantages", "returns") if data.get(key) is None]
+        if missing:
+            raise ValueError(f"--custom-advantage-function-path {custom} did not set {missing} in the rollout data")
+    else:
+        rewards, masks = data["rewards"], data["loss_masks"]
+        if data.get("ref_log_probs") is None:
+            kl = [torch.zeros(mask.shape, dtype=torch.float32) for mask in masks]
+        else:
+            pairs = zip(data["log_probs"], data["ref_log_probs"], strict=True)
+            kl = [compute_approx_kl(log_probs, ref, args.kl_loss_type) for log_probs, ref in pairs]
+        estimator = args.advantage_estimator
+        if estimator in ("grpo", "gspo", "cispo"):
+            advantages = returns = get_grpo_returns(rewards, kl)
+        elif estimator == "reinforce_plus_plus":
+            advantages = returns = get_reinforce_plus_plus_returns(rewards, kl, masks, args.kl_coef, args.gamma)
+        elif estimator == "reinforce_plus_plus_baseline":
+            advantages = returns = get_reinforce_plus_plus_baseline_advantages(rewards, kl, masks, args.kl_coef)
+        elif estimator == "ppo":
+            if data.get("values") is None:
+                raise ValueError("--advantage-estimator ppo needs critic values; pass them to train (values_refs=)")
+            token_rewards = build_token_level_rewards(rewards, kl, masks, args.kl_coef)
+            advantages, returns = get_advantages_and_returns_batch(
+                data["values"], token_rewards, args.gamma, args.lambd
+            )
+        else:
+            raise ValueError(f"unknown --advantage-estimator {estimator!r}")
+        data["advantages"], data["returns"] = list(advantages), list(returns)
+    if args.normalize_advantages:
+        lengths = [a.numel() for a in data["advantages"]]
+        flat = torch.cat(data["advantages"]).float().to(device)
+        mask = torch.cat([m.float() for m in data["loss_masks"]]).to(device)
+        whitened = distributed_masked_whiten(flat, mask, process_group=process_group).cpu()
+        data["advantages"] = list(torch.split(whitened, lengths))
+
+
+class MegatronTrainRayActor(TrainRayActor):
+    """One Megatron training rank (role "actor"); see the module docstring for the protocol."""
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def init(self, args: Namespace, role: str, with_ref: bool = False) -> int:
+        """Build model, optimizer and LR scheduler, load weights; return the rollout id to start from.
+
+        Args:
+            args: Parsed slime arguments (Megatron flags included).
+            role: "actor" (a Megatron critic is not implemented: use --train-backend fsdp for PPO).
+            with_ref: Keep the reference weights on CPU for `--use-kl-loss` / `--kl-coef`.
+
+        Returns:
+            The torch_dist checkpoint's rollout id + 1 when resuming from `--load`, else 0.
+        """
+        if role != "actor":
+            raise ValueError(
+                f"the Megatron backend trains role 'actor' only, got {role!r}; PPO's critic runs with "
+                "--train-backend fsdp for now"
+            )
+        if (args.use_kl_loss or args.kl_coef != 0) and not with_ref:
+            raise ValueError("--use-kl-loss / --kl-coef need reference log-probs: init the actor with with_ref=True")
+        self.args, self.role = args, role
+        self.init_process_group(args)
+        if not torch.cuda.is_available():
+            from slime.backends.megatron_utils.cpu_compat import apply_cpu_patch
+
+            apply_cpu_patch()
+        from megatron.core import parallel_state
+
+        self.model_args = megatron_model_args(args)
+        initialize_model_parallel_from_args(self.model_args)
+        self.mpu = parallel_state
+        self.family = model_family(self.model_args)
+        self.vocab_size = args_vocab_size(self.model_args)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.device = self.device or torch.device("cpu")
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.use_packed_seq_params = use_transformer_engine(self.model_args)
+        if self.cp_size > 1 and not self.use_packed_seq_params:
+            raise ValueError("--context-parallel-size > 1 needs TransformerEngine attention (a GPU with TE)")
+
+        self.model = build_model(self.model_args)
+        for chunk in self.model:
+            unwrap_model(chunk).config.variable_seq_lengths = True  # packed rows differ in length
+        self.optimizer = build_optimizer(self.model_args, self.model)
+        self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
+
+        start_hf = args.load if args.load and checkpoint.is_hf_checkpoint(args.load) else args.hf_checkpoint
+        self.ref_weights: dict[str, torch.Tensor] | None = None
+        if with_ref:
+            ref_source = args.ref_load or start_hf
+            checkpoint.load_checkpoint(ref_source, self.model, iteration=self._ref_iteration(ref_source))
+            self.ref_weights = self._snapshot_weights()
+        if not with_ref or args.ref_load:
+            checkpoint.load_checkpoint(start_hf, self.model)
+        self.optimizer.reload_model_params()  # fp32 main copies of 16-bit params follow the loaded weights
+
+        start_rollout_id = 0
+        if args.load and not checkpoint.is_hf_checkpoint(args.load) and checkpoint.has_checkpoint(args.load):
+            finetune = bool(getattr(args, "finetune", False))
+            load_optimizer = not finetune and not getattr(args, "no_load_optim", False)
+            iteration, _ = checkpoint.load_checkpoint(
+                args.load,
+                self.model,
+                self.optimizer if load_optimizer else None,
+                None if finetune else self.lr_scheduler,
+            )
+            if not load_optimizer:
+                self.optimizer.reload_model_params()
+            start_rollout_id = 0 if finetune else iteration + 1
+            logger.info("rank %d: resumed from %s rollout %d", self.rank, args.load, iteration)
+
+        self.actor_backup: dict[str, torch.Tensor] | None = None
+        self.engines: list = []
+        self.weight_version = 0
+        self.broadcast_group = None
+        self.span_groups: list = []
+        return start_rollout_id
+
+    def _ref_iteration(self, source: str) -> int | None:
+        if checkpoint.is_hf_checkpoint(source):
+            return None
+        return getattr(self.args, "ref_ckpt_step", None)
+
+    def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{i}.{name}", tensor) for i, chunk in enumerate(self.model) for name, tensor in named_weights(chunk)]
+
+    def _snapshot_weights(self, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """CPU copies of this rank's weights (reusing the tensors of `into`)."""
+        with torch.no_grad():
+            if into is None:
+                return {name: t.detach().to("cpu", copy=True) for name, t in self._named_weights()}
+            for name, tensor in self._named_weights():
+                into[name].copy_(tensor)
+        return into
+
+    @torch.no_grad()
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, tensor in self._named_weights():
+            tensor.copy_(weights[name])
+
+    # ---- data ----------------------------------------------------------------------------------
+    def _prepare(self, rollout_data: Any) -> dict:
+        """This data-parallel rank's samples, per-token fields as float tensors."""
+        if isinstance(rollout_data, ray.ObjectRef):
+            rollout_data = ray.get(rollout_data)
+        data = dict(rollout_data)
+        data.setdefault("num_steps", self.args.num_steps_per_rollout)
+        if dist.get_world_size() > self.dp_size:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, (self.mpu.get_data_parallel_rank(), data))
+            data = merge_shards([shard for dp_rank, shard in everyone if dp_rank == self.mpu.get_data_parallel_rank()])
+            data = dict(data)
+        data["loss_masks"] = [torch.as_tensor(mask, dtype=torch.float32) for mask in data["loss_masks"]]
+        if data.get("rollout_log_probs") is not None:
+            data["rollout_log_probs"] = [torch.as_tensor(lp, dtype=torch.float32) for lp in data["rollout_log_probs"]]
+        data["total_lengths"] = [len(tokens) for tokens in data["tokens"]]
+        return data
+
+    def _micro_batches(self, data: dict) -> list[list[PackedMicroBatch]]:
+        dynamic = self.args.use_dynamic_batch_size
+        sequence_multiple = 2 * self.cp_size if self.cp_size > 1 else 1
+        return build_step_micro_batches(
+            data["tokens"],
+            data["response_lengths"],
+            data["num_steps"],
+            micro_batch_size=self.args.micro_batch_size,
+            max_tokens=self.args.max_tokens_per_gpu if dynamic else None,
+            pad_multiple=self.tp_size * sequence_multiple,
+            device=self.device,
+            sequence_pad_multiple=sequence_multiple,
+        )
+
+    def _batch_inputs(self, micro_batch: PackedMicroBatch, data: dict) -> dict:
+        num_samples = len(data["tokens"])
+        batch = {}
+        for key, values in data.items():
+            if isinstance(values, list) and len(values) == num_samples:
+                picked = [values[i] for i in micro_batch.sample_indices]
+                batch[key] = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in picked]
+        batch["target_tokens"] = micro_batch.target_tokens
+        batch["response_lengths"] = micro_batch.response_lengths
+        return batch
+
+    # ---- forward through Megatron's schedule -----------------------------------------------------
+    def _model_forward(self, chunk, micro_batch: PackedMicroBatch) -> torch.Tensor:
+        input_ids, position_ids = micro_batch.input_ids, micro_batch.position_ids
+        if self.cp_size > 1:
+            bounds = micro_batch.cu_seqlens.tolist()
+            rank = self.mpu.get_context_parallel_rank()
+            input_ids = zigzag_slice(input_ids, bounds, self.cp_size, rank)
+            position_ids = zigzag_slice(position_ids, bounds, self.cp_size, rank)
+        if self.use_packed_seq_params:
+            return chunk(input_ids, position_ids, None, packed_seq_params=micro_batch.packed_seq_params())
+        return chunk(input_ids, position_ids, micro_batch.attention_mask())
+
+    def _response_outputs(
+        self, micro_batch: PackedMicroBatch, logits: torch.Tensor, temperature: float, entropy_grad: bool
+    ) -> ResponseOutputs:
+        """Log-probs and entropies of the response tokens from the last stage's `[1, n, vocab/TP]` logits."""
+        logits = logits[0].float()
+        if self.cp_size == 1:
+            logits = logits[micro_batch.logit_positions] / temperature
+            log_probs, entropy = log_probs_and_entropy(logits, micro_batch.target_tokens, self.vocab_size)
+        else:
+            # Each CP rank scores its own positions against the next token, then the row is gathered.
+            bounds = micro_batch.cu_seqlens.tolist()
+            rank = self.mpu.get_context_parallel_rank()
+            positions = zigzag_positions(bounds, self.cp_size, rank).to(logits.device)
+            row = micro_batch.input_ids[0]
+            next_tokens = row[(positions + 1).clamp(max=row.numel() - 1)]
+            logits = logits / temperature
+            local_lp, local_entropy = log_probs_and_entropy(logits, next_tokens, self.vocab_size)
+            group = self.mpu.get_context_parallel_group()
+            log_probs = gather_zigzag(local_lp, bounds, self.cp_size, rank, group)[micro_batch.logit_positions]
+            entropy = gather_zigzag(local_entropy, bounds, self.cp_size, rank, group)[micro_batch.logit_positions]
+        return ResponseOutputs(logits, log_probs, entropy if entropy_grad else entropy.detach())
+
+    def _run_schedule(self, micro_batches: list[PackedMicroBatch], loss_of_output, forward_only: bool) -> None:
+        """Run micro-batches through Megatron's forward-backward schedule; `loss_of_output(mb, output)`
+        returns (loss, {}) on the last pipeline stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        queue = list(micro_batches)
+
+        def forward_step(data_iterator, chunk):
+            micro_batch = next(data_iterator)
+            return self._model_forward(chunk, micro_batch), partial(loss_of_output, micro_batch)
+
+        iterators = [iter(queue) for _ in self.model]
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(self.model) > 1 else iterators[0],
+            model=self.model,
+            num_microbatches=len(queue),
+            seq_length=max(mb.input_ids.shape[1] for mb in queue) // self.cp_size,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def _forward_log_probs(
+        self, steps: list[list[PackedMicroBatch]], num_samples: int, temperature: float | None = None
+    ) -> list[torch.Tensor]:
+        """Per-sample response log-probs on CPU (at the rollout temperature unless given), no gradient.
+
+        With pipeline parallelism the last stage computes them and broadcasts them to its pipeline group.
+        """
+        for chunk in self.model:
+            chunk.eval()
+        outputs: list = [None] * num_samples
+        temperature = temperature or self.args.rollout_temperature
+
+        def keep(micro_batch, logits):
+            result = self._response_outputs(micro_batch, logits, temperature, entropy_grad=False)
+            per_sample = split_per_sample(result.log_probs, micro_batch.response_lengths)
+            for index, value in zip(micro_batch.sample_indices, per_sample, strict=True):
+                outputs[index] = value.float().cpu()
+            return logits.new_zeros(()), {}
+
+        for micro_batches in steps:
+            self._run_schedule(micro_batches, keep, forward_only=True)
+        for chunk in self.model:
+            chunk.train()
+        if self.mpu.get_pipeline_model_parallel_world_size() > 1:
+            holder = [outputs]
+            last = self.mpu.get_pipeline_model_parallel_last_rank()
+            dist.broadcast_object_list(holder, src=last, group=self.mpu.get_pipeline_model_parallel_group())
+            outputs = holder[0]
+        return outputs
+
+    def _reference_log_probs(self, steps: list[list[PackedMicroBatch]], num_samples: int) -> list[torch.Tensor]:
+        """Swap the reference weights in, take log-probs, swap the actor weights back."""
+        self.actor_backup = self._snapshot_weights(into=self.actor_backup)
+        self._load_weights(self.ref_weights)
+        try:
+            return self._forward_log_probs(steps, num_samples)
+        finally:
+            self._load_weights(self.actor_backup)
+
+    # ---- training ------------------------------------------------------------------------------
+    def train(self, rollout_id: int, rollout_data: Any, values_refs: Any = None) -> dict[str, float]:
+        """Train on this rank's shard of one rollout (same contract as the FSDP actor).
+
+        Args:
+            rollout_id: The rollout's id (for hooks and logs).
+            rollout_data: This rank's shard (dict or ObjectRef).
+            values_refs: PPO critic values (every rank's `compute_values` refs, or this rank's values).
+
+        Returns:
+            Metrics named `train/<name>`, averaged over the rollout's optimizer steps, equal on every rank.
+        """
+        data = self._prepare(rollout_data)
+        steps = self._micro_batches(data)
+        num_samples = len(data["tokens"])
+        metrics: dict[str, float] = {}
+        if (self.args.use_rollout_logprobs or self.args.use_tis) and data.get("rollout_log_probs") is None:
+            raise ValueError(
+                "--use-rollout-logprobs / --use-tis need the engines' log-probs, but the rollout data has no "
+                "rollout_log_probs; make the rollout function record them (return_logprob)"
+            )
+        if self.ref_weights is not None:
+            data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
+        if self.args.use_rollout_logprobs:
+            data["log_probs"] = data["rollout_log_probs"]
+        else:
+            data["log_probs"] = self._forward_log_probs(steps, num_samples)
+            if data.get("rollout_log_probs") is not None:
+                metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
+                    self._logprob_abs_diff(data["log_probs"], data["rollout_log_probs"], data["loss_masks"])
+                )
+        if values_refs is not None:
+            data["values"] = self._values_for_this_rank(values_refs)
+        compute_advantages_and_returns(self.args, data, self.mpu.get_data_parallel_group(), self._collective_device())
+        if self.args.rollout_data_postprocess_path:
+            load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
+        metrics |= self._optimize(rollout_id, steps, data)
+        return {f"train/{name}": value for name, value in metrics.items()}
+
+    def _values_for_this_rank(self, values: Any) -> list[torch.Tensor]:
+        if isinstance(values, list) and values and isinstance(values[0], ray.ObjectRef):
+            values = values[self.rank]
+        if isinstance(values, ray.ObjectRef):
+            values = ray.get(values)
+        return [torch.as_tensor(v, dtype=torch.float32) for v in values]
+
+    def _step_normalizers(self, steps: list[list[PackedMicroBatch]], data: dict) -> list[StepNormalizer]:
+        """Sample and trainable-token counts of each step over the data-parallel group."""
+        counts = torch.zeros(len(steps), 2, dtype=torch.float64)
+        for step_index, micro_batches in enumerate(steps):
+            for micro_batch in micro_batches:
+                counts[step_index, 0] += len(micro_batch.sample_indices)
+                counts[step_index, 1] += sum(float(data["loss_masks"][i].sum()) for i in micro_batch.sample_indices)
+        counts = self._all_reduce(counts, self.mpu.get_data_parallel_group())
+        per_token = bool(getattr(self.args, "calculate_per_token_loss", False))
+        return [StepNormalizer(int(samples), int(tokens), per_token) for samples, tokens in counts.tolist()]
+
+    def _optimize(self, rollout_id: int, steps: list[list[PackedMicroBatch]], data: dict) -> dict[str, float]:
+        """One optimizer step per entry of `steps`; metrics averaged over steps, reduced over ranks."""
+        normalizers = self._step_normalizers(steps, data)
+        loss_function = LOSS_FUNCTIONS[self.args.loss_type]
+        temperature = self.args.rollout_temperature
+        entropy_grad = self.args.entropy_coef != 0
+        # Each data-parallel shard's metrics are counted once: on its last pipeline stage, TP/CP rank 0.
+        reports = (
+            self.mpu.is_pipeline_last_stage(ignore_virtual=True)
+            and self.mpu.get_tensor_model_parallel_rank() == 0
+            and self.mpu.get_context_parallel_rank() == 0
+        )
+        hook = getattr(self.args, "custom_megatron_before_train_step_hook_path", None)
+        started = time.time()
+        step_sums: list[dict[str, float]] = []
+        grad_norms, lrs, skipped = [], [], 0
+        for step_id, (micro_batches, normalizer) in enumerate(zip(steps, normalizers, strict=True)):
+            if hook:
+                load_function(hook)(self.args, rollout_id, step_id, self.model, self.optimizer, self.lr_scheduler)
+            sums: dict[str, float] = defaultdict(float)
+            scale = len(micro_batches) * self.dp_size
+
+            def loss_of_output(micro_batch, logits, normalizer=normalizer, sums=sums, scale=scale):
+                outputs = self._response_outputs(micro_batch, logits, temperature, entropy_grad)
+                loss, loss_metrics = loss_function(
+                    self.args, self._batch_inputs(micro_batch, data), outputs, normalizer
+                )
+                if reports:
+                    for name, value in loss_metrics.items():
+                        sums[name] += float(value)
+                return loss * scale, {}
+
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self._run_schedule(micro_batches, loss_of_output, forward_only=False)
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads(self.model)
+            lrs.append(self.optimizer.param_groups[0]["lr"])
+            grad_norm = self._step_optimizer()
+            if math.isfinite(grad_norm):
+                self.lr_scheduler.step(increment=1)
+                grad_norms.append(grad_norm)
+            else:
+                skipped += 1
+                logger.warning("rank %d: grad norm is %s; skipping this optimizer step", self.rank, grad_norm)
+            step_sums.append(sums)
+        elapsed = time.time() - started
+
+        names = sorted({name for sums in step_sums for name in sums})
+        all_names: list = [None] * dist.get_world_size()
+        dist.all_gather_object(all_names, names)
+        names = sorted({name for group in all_names for name in group})
+        totals = torch.tensor([[sums.get(name, 0.0) for name in names] for sums in step_sums], dtype=torch.float64)
+        totals = self._all_reduce(totals).mean(dim=0).tolist() if names else []
+        metrics = dict(zip(names, totals, strict=True))
+        tokens = self._all_reduce(
+            torch.tensor([float(sum(data["total_lengths"]))], dtype=torch.float64), self.mpu.get_data_parallel_group()
+        ).item()
+        metrics |= {
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "lr": sum(lrs) / len(lrs),
+            "skipped_steps": float(skipped),
+            "step_time": elapsed / len(steps),
+            "tokens_per_s": tokens / max(elapsed, 1e-9),
+        }
+        return metrics
+
+    def _step_optimizer(self) -> float:
+        """Gradient norm over all ranks; clip to `--clip-grad` and step unless it is not finite."""
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float("nan") if found_inf else float(self.optimizer.get_grad_norm())
+        if math.isfinite(grad_norm):
+            if self.args.clip_grad and self.args.clip_grad > 0:
+                self.optimizer.clip_grad_norm(self.args.clip_grad)
+            self.optimizer.step_with_ready_grads()
+        return grad_norm
+
+    def _logprob_abs_diff(
+        self, a: list[torch.Tensor], b: list[torch.Tensor], masks: list[torch.Tensor]
+    ) -> tuple[float, float]:
+        """Mean and max of |a - b| over trainable tokens of the data-parallel group (trainer vs engine)."""
+        totals = torch.zeros(3, dtype=torch.float64)
+        for x, y, mask in zip(a, b, masks, strict=True):
+            diff = (torch.as_tensor(x, dtype=torch.float64) - torch.as_tensor(y, dtype=torch.float64)).abs() * mask
+            totals[0] += float(diff.sum())
+            totals[1] += float(mask.sum())
+            totals[2] = max(float(totals[2]), float(diff.max()) if diff.numel() else 0.0)
+        group = self.mpu.get_data_parallel_group()
+        summed = self._all_reduce(totals[:2].clone(), group)
+        largest = totals[2:].to(self._collective_device())
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        return float(summed[0] / summed[1].clamp_min(1)), float(largest.cpu())
+
+    def _collective_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Sum over `group` (default: all ranks); returns a CPU tensor."""
+        reduced = tensor.to(self._collective_device())
+        dist.all_reduce(reduced, group=group)
+        return reduced.cpu()
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_model(self, rollout_id: int) -> None:
+        """torch_dist checkpoint to `--save` (atomic, resumable) and an HF export to `--save-hf`."""
+        if self.args.save:
+            checkpoint.save_checkpoint(
+                self.args.save,
+                rollout_id,
+                self.model,
+                None if getattr(self.args, "no_save_optim", False) else self.optimizer,
+                self.lr_scheduler,
+            )
+        if getattr(self.args, "save_hf", None):
+            path = self.args.save_hf.format(rollout_id=rollout_id)
+            checkpoint.save_hf_checkpoint(self.model, path, self.args.hf_checkpoint, family=self.family)
+
+    # ---- weight sync ---------------------------------------------------------------------------
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The HF-named full weights `update_weights` sends, on CPU (a collective)."""
+        buckets = hf_weight_buckets(self.model, self.family, self.vocab_size, self.args.update_weight_buffer_size)
+        return {name: tensor.cpu() for bucket in buckets for name, tensor in bucket}
+
+    def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
+        """Remember the engines; colocated: form span subgroups, disaggregated: rank 0 forms the broadcast group."""
+        self.engines = list(engines)
+        self.engine_urls = list(engine_urls)
+        gpus_per_engine = self.args.rollout_num_gpus_per_engine
+        if self.args.colocate:
+            self.span_groups = engine_span_groups(dist.get_world_size(), gpus_per_engine)
+        elif self.rank == 0 and self.engines:
+            local = all(urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.engine_urls)
+            address = "127.0.0.1" if local else ray.util.get_node_ip_address()
+            kind = getattr(self.args, "rollout_backend", "sglang")
+            self.broadcast_group = connect_broadcast_group(self.engines, gpus_per_engine, address, kind)
+
+    def update_weights(self) -> None:
+        """Push the current weights to every engine (paused meanwhile) under the next weight version."""
+        if not self.engines:
+            raise RuntimeError("update_weights before connect_rollout_engines: the actor has no engines to update")
+        if self.mpu.get_pipeline_model_parallel_world_size() > 1:
+            raise NotImplementedError("weight sync with --pipeline-model-parallel-size > 1 is not implemented yet")
+        version = str(self.weight_version + 1)
+        if self.rank == 0:
+            call_engines(self.engines, "pause_generation")
+            call_engines(self.engines, "flush_cache")
+        dist.barrier()
+        dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else None
+        buckets = hf_weight_buckets(
+            self.model, self.family, self.vocab_size, self.args.update_weight_buffer_size, dtype
+        )
+        if self.args.colocate:
+            send_buckets_as_tensors(
+                buckets, self.engines, self.rank, self.args.rollout_num_gpus_per_engine, self.span_groups, version
+            )
+        else:
+            send_buckets_by_broadcast(buckets, self.engines, self.broadcast_group, version)
+        dist.barrier()
+        if self.rank == 0:
+            call_engines(self.engines, "continue_generation")
+        self.weight_version += 1
+        if self.args.check_weight_update_equal and self.weight_version == 1:
+            self.check_weights_equal()
+
+    def check_weights_equal(self) -> dict[str, float]:
+        """Compare each engine's log-probs of a probe sequence with this trainer's (every rank must call).
+
+        Returns:
+            {"max_abs_diff": largest gap over engines and tokens} (rank 0; 0.0 elsewhere).
+
+        Raises:
+            RuntimeError: on rank 0 when the gap exceeds `WEIGHT_CHECK_TOLERANCE`.
+        """
+        probe = probe_tokens(self.vocab_size)
+        steps = build_step_micro_batches([probe], [len(probe) - 1], 1, 1, None, self.tp_size, self.device)
+        trainer = self._forward_log_probs(steps, 1, temperature=1.0)[0]
+        if self.rank != 0:
+            return {"max_abs_diff": 0.0}
+        gap = 0.0
+        for engine in self.engines:
+            engine_lp = torch.tensor(engine_prompt_log_probs(engine, probe), dtype=torch.float32)
+            gap = max(gap, float((engine_lp - trainer).abs().max()))
+        if gap > WEIGHT_CHECK_TOLERANCE:
+            raise RuntimeError(
+                f"engine weights differ from the trainer's after update {self.weight_version}: probe log-probs "
+                f"differ by up to {gap:.3g} (tolerance {WEIGHT_CHECK_TOLERANCE}); check parameter names and dtypes"
+            )
+        return {"max_abs_diff": gap}
+
+    # ---- offload -------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free what can be freed while the engines generate: gradients (and the CUDA cache on GPU).
+
+        Weights and optimizer state stay resident: Megatron's DDP keeps them in contiguous buffers
+        that other tensors view, so moving them needs a memory saver (torch_memory_saver upstream).
+        """
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Undo `sleep` (nothing was moved)."""

@@ -1,0 +1,255 @@
+"""Micro-batches for the Megatron trainer: which samples go together and how they become one packed row.
+
+A micro-batch concatenates its sequences into a single row `[1, N]` (THD layout, no padding between
+sequences); `cu_seqlens` marks where each sequence starts. Two attention paths read it:
+
+- TransformerEngine (GPU): `PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv, max_seqlen_q/kv)`,
+  so attention and RoPE restart at every sequence.
+- megatron-core's local spec (CPU): its attention refuses `PackedSeqParams`, so the row gets a
+  block-diagonal causal mask instead (`True` = masked). RoPE then sees row positions, not
+  per-sequence ones, which changes nothing: with the mask a token only attends inside its own
+  sequence, and rotary attention scores depend only on the distance between two positions.
+
+The row is padded at its end to a multiple of `pad_multiple` (the tensor-parallel size, times
+2 x context-parallel size with CP) by one extra padding sequence that no response token reads.
+
+Within the row the logit at position `p` predicts token `p + 1`: a sample with `T` tokens whose
+last `R` are the response, starting at offset `o`, has its response logits at `o+T-R-1 ... o+T-2`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedMicroBatch:
+    """One packed row and where its response tokens are.
+
+    Attributes:
+        sample_indices: Shard positions of the samples, in packing order.
+        input_ids: `[1, N]` token ids (N includes the end padding).
+        position_ids: `[1, N]` positions restarting at 0 for each sequence.
+        cu_seqlens: `[S + 1]` int32 sequence boundaries in the row (the padding is the last sequence).
+        max_seqlen: Longest sequence in the row.
+        logit_positions: `[M]` row positions whose logits predict the response tokens.
+        target_tokens: `[M]` the response tokens in sample order.
+        response_lengths: Response length of each sample (splits the `M` axis).
+    """
+
+    sample_indices: list[int]
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    logit_positions: torch.Tensor
+    target_tokens: torch.Tensor
+    response_lengths: list[int]
+
+    def attention_mask(self) -> torch.Tensor:
+        """`[1, 1, N, N]` bool mask for the local attention: True where a query may NOT look."""
+        length = self.input_ids.shape[1]
+        boundaries = self.cu_seqlens.to(self.input_ids.device).long()
+        sequence_of = torch.bucketize(torch.arange(length, device=boundaries.device), boundaries[1:], right=True)
+        same_sequence = sequence_of[:, None] == sequence_of[None, :]
+        causal = torch.ones(length, length, dtype=torch.bool, device=boundaries.device).tril()
+        return ~(same_sequence & causal)[None, None]
+
+    def packed_seq_params(self):
+        """Megatron's `PackedSeqParams` (THD) for TransformerEngine attention."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
+
+
+def step_slices(num_samples: int, num_steps: int) -> list[range]:
+    """The samples of each optimizer step: `num_steps` equal consecutive blocks of the shard.
+
+    Raises:
+        ValueError: when the shard does not split evenly, naming the batch-size flags to fix.
+    """
+    if num_steps < 1 or num_samples % num_steps:
+        raise ValueError(
+            f"{num_samples} samples on this rank do not split into {num_steps} equal optimizer steps; the rollout "
+            "data must hold --global-batch-size x --num-steps-per-rollout samples split evenly over data-parallel ranks"
+        )
+    size = num_samples // num_steps
+    return [range(step * size, (step + 1) * size) for step in range(num_steps)]
+
+
+def group_samples(
+    sample_indices: list[int], lengths: list[int], micro_batch_size: int | None, max_tokens: int | None
+) -> list[list[int]]:
+    """Split one step's samples into micro-batches.
+
+    With `max_tokens` (`--use-dynamic-batch-size`): first-fit decreasing into bins of at most
+    `max_tokens` tokens (a longer sample gets its own bin). Otherwise consecutive chunks of
+    `micro_batch_size` samples.
+
+    Args:
+        sample_indices: Shard positions of the step's samples.
+        lengths: Total token count of each of those samples.
+        micro_batch_size: `--micro-batch-size`.
+        max_tokens: `--max-tokens-per-gpu`, or None.
+
+    Returns:
+        Lists of shard positions, each in the original order.
+    """
+    if max_tokens is None:
+        if not micro_batch_size or micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+        return [sample_indices[i : i + micro_batch_size] for i in range(0, len(sample_indices), micro_batch_size)]
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for position in sorted(range(len(sample_indices)), key=lambda i: -lengths[i]):
+        for b, load in enumerate(loads):
+            if load + lengths[position] <= max_tokens:
+                bins[b].append(position)
+                loads[b] += lengths[position]
+                break
+        else:
+            bins.append([position])
+            loads.append(lengths[position])
+    return [[sample_indices[p] for p in sorted(b)] for b in bins]
+
+
+def pack_micro_batch(
+    tokens: list[list[int]],
+    response_lengths: list[int],
+    sample_indices: list[int],
+    pad_multiple: int = 1,
+    pad_token_id: int = 0,
+    device: torch.device | str = "cpu",
+    sequence_pad_multiple: int = 1,
+) -> PackedMicroBatch:
+    """Concatenate samples into one row; pad the row's end to a multiple of `pad_multiple`.
+
+    Args:
+        tokens: Prompt + response ids of every sample in the shard.
+        response_lengths: Response length of every sample in the shard.
+        sample_indices: Which samples to pack.
+        pad_multiple: Row length multiple (TP size, x 2 CP size with context parallelism).
+        pad_token_id: Id used for the padding tokens (never a target).
+        device: Where the tensors go.
+        sequence_pad_multiple: Pad every sequence at its end to this multiple (2 x CP size for
+            context parallelism; causal attention keeps the padding invisible to the real tokens).
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    logit_positions: list[int] = []
+    boundaries = [0]
+    lengths = []
+    for index in sample_indices:
+        sample, response = tokens[index], response_lengths[index]
+        total = len(sample)
+        if not 0 < response < total:
+            raise ValueError(
+                f"sample {index} has {total} tokens and response_length {response}; a trainable sample needs "
+                "at least one prompt token and one response token"
+            )
+        offset = len(ids)
+        ids.extend(sample)
+        positions.extend(range(total))
+        logit_positions.extend(range(offset + total - response - 1, offset + total - 1))
+        sequence_padding = -total % sequence_pad_multiple
+        ids.extend([pad_token_id] * sequence_padding)
+        positions.extend(range(total, total + sequence_padding))
+        boundaries.append(len(ids))
+        lengths.append(response)
+    padding = -len(ids) % pad_multiple
+    if padding:
+        # Its own sequence; with context parallelism it must split into chunks like the others.
+        padding += -padding % sequence_pad_multiple
+        ids.extend([pad_token_id] * padding)
+        positions.extend(range(padding))
+        boundaries.append(len(ids))
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    logit_index = torch.tensor(logit_positions, dtype=torch.long, device=device)
+    return PackedMicroBatch(
+        sample_indices=list(sample_indices),
+        input_ids=input_ids,
+        position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+        cu_seqlens=torch.tensor(boundaries, dtype=torch.int32, device=device),
+        max_seqlen=max(b - a for a, b in zip(boundaries[:-1], boundaries[1:], strict=True)),
+        logit_positions=logit_index,
+        target_tokens=input_ids[0, logit_index + 1],
+        response_lengths=lengths,
+    )
+
+
+def build_step_micro_batches(
+    tokens: list[list[int]],
+    response_lengths: list[int],
+    num_steps: int,
+    micro_batch_size: int | None,
+    max_tokens: int | None,
+    pad_multiple: int = 1,
+    device: torch.device | str = "cpu",
+    sequence_pad_multiple: int = 1,
+) -> list[list[PackedMicroBatch]]:
+    """Packed micro-batches of every optimizer step of this data-parallel shard.
+
+    Data-parallel ranks may run different numbers of micro-batches: Megatron's DDP reduces
+    gradients once per step (`finalize_model_grads`), not per forward.
+
+    Returns:
+        For each step, its micro-batches.
+    """
+    steps = []
+    for block in step_slices(len(tokens), num_steps):
+        indices = list(block)
+        groups = group_samples(indices, [len(tokens[i]) for i in indices], micro_batch_size, max_tokens)
+        steps.append(
+            [
+                pack_micro_batch(tokens, response_lengths, g, pad_multiple, 0, device, sequence_pad_multiple)
+                for g in groups
+            ]
+        )
+    return steps
+
+
+def merge_shards(shards: list[dict]) -> dict:
+    """One data-parallel shard from the per-rank shards of a model-parallel group.
+
+    The driver splits a rollout over every training rank, but the ranks of one tensor/pipeline/context
+    parallel group must train on the same samples. Each rank's shard holds `num_steps` equal step
+    blocks; the merged shard keeps that layout: step `s` is every shard's step-`s` block, in rank order.
+
+    Args:
+        shards: The shards of the group's ranks, in rank order (each with `tokens`, `num_steps`, ...).
+
+    Returns:
+        The merged shard (scalars such as `num_steps` taken from the first shard).
+    """
+    if len(shards) == 1:
+        return shards[0]
+    num_steps = shards[0]["num_steps"]
+    num_samples = len(shards[0]["tokens"])
+    slices = [step_slices(len(shard["tokens"]), num_steps) for shard in shards]
+    merged = {}
+    for key, value in shards[0].items():
+        if isinstance(value, list) and len(value) == num_samples:
+            merged[key] = [
+                shard[key][i]
+                for step in range(num_steps)
+                for shard, cut in zip(shards, slices, strict=True)
+                for i in cut[step]
+            ]
+        else:
+            merged[key] = value
+    return merged
+
+
+def split_per_sample(values: torch.Tensor, response_lengths: list[int]) -> list[torch.Tensor]:
+    """Split a flat `[M]` tensor over a micro-batch's response tokens into one tensor per sample."""
+    return list(torch.split(values, response_lengths))
