@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
-from slime.backends.fsdp_utils.data_packing import group_samples, pack_micro_batch
+from slime.backends.fsdp_utils.data_packing import pack_micro_batch
 from slime.backends.fsdp_utils.model import (
     gather_full_state_dict,
     load_model,
@@ -23,6 +23,7 @@ from slime.backends.fsdp_utils.model import (
 from slime.ray.rollout import split_train_data_by_dp
 from slime.ray.train_actor import get_free_port
 from slime.utils.arguments import parse_args
+from slime.utils.micro_batches import group_samples
 from slime.utils.ppo_utils import compute_log_probs
 
 VOCAB = 320

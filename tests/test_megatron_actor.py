@@ -69,12 +69,14 @@ def _log_probs(actor, data: dict) -> list[torch.Tensor]:
 
 
 def _worker(rank: int, world_size: int, model_dir: str, save_dir: str, rollout: dict, extra: tuple) -> dict:
+    from slime.ray.actor_group import data_parallel_ranks
     from slime.ray.rollout import split_train_data_by_dp
 
     args = make_args(model_dir, "--save", save_dir, *extra)
-    # As the driver does: one shard per training rank (the TP group merges them back).
+    # As the driver and RayTrainGroup do: one shard per data-parallel rank, shared by its TP group.
     per_sample = {key: value for key, value in rollout.items() if isinstance(value, list)}
-    data = split_train_data_by_dp(args, per_sample, world_size)[rank]
+    dp_ranks = data_parallel_ranks(args, world_size)
+    data = split_train_data_by_dp(args, per_sample, max(dp_ranks) + 1)[dp_ranks[rank]]
     actor, start = _new_actor(rank, world_size, args)
     result = {"start": start, "initial_log_probs": _log_probs(actor, data), "initial_hf": actor.hf_weights()}
     result["metrics"] = actor.train(0, data)

@@ -4,6 +4,7 @@ Each run is a subprocess, exactly as a user starts it, with a tiny random model.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch
 
 from slime.utils.types import Sample
 
-REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,8 @@ def run_script(script: str, model_dir, prompt_file, save_dir, *extra, timeout=30
         "--save-debug-rollout-data", str(save_dir / "rollouts" / "rollout_{rollout_id}.pt"),
         *extra,
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     history = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
     return [h for h in history if "rollout/reward" in h]
@@ -51,7 +54,8 @@ def test_disaggregated_run_trains_and_syncs(tiny_model_dir, prompt_file, tmp_pat
         "train.py", tiny_model_dir, prompt_file, tmp_path,
         "--num-rollout", "2", "--save-interval", "1", "--check-weight-update-equal",
         "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
-        "--rm-type", "random",  # a tiny random model never answers right: random rewards give a gradient
+        # A tiny random model never answers right; a reward that differs within every group gives a gradient.
+        "--custom-rm-path", "e2e_rewards.alternating_reward",
     )  # fmt: skip
     assert [h["rollout_id"] for h in history] == [0, 1]
     first = history[0]

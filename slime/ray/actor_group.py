@@ -1,6 +1,8 @@
-"""RayTrainGroup: one training actor per data-parallel rank, driven together.
+"""RayTrainGroup: one training actor per rank, driven together.
 
 Every method fans a call out to all ranks and returns the Ray object refs (`async_*`) or waits.
+The driver splits each rollout into one shard per data-parallel rank; with Megatron's tensor,
+pipeline or context parallelism several ranks share a data-parallel rank and get the same shard.
 """
 
 from __future__ import annotations
@@ -27,6 +29,48 @@ def _actor_class(train_backend: str):
     raise ValueError(f"unknown --train-backend {train_backend!r}; choose fsdp or megatron")
 
 
+def model_parallel_sizes(args) -> tuple[int, int, int]:
+    """(tensor, pipeline, context) parallel sizes of the trainer: Megatron's flags, all 1 under FSDP."""
+    if args.train_backend != "megatron":
+        return 1, 1, 1
+    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+    tp, pp, cp = (int(getattr(args, name, 1) or 1) for name in names)
+    return tp, pp, cp
+
+
+def data_parallel_rank(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+    """The data-parallel rank of training rank `rank` under Megatron's default rank order.
+
+    megatron-core's `initialize_model_parallel(order="tp-cp-ep-dp-pp")` numbers ranks with the tensor
+    rank fastest, then context, then data, then pipeline (expert parallelism is carved out of the data
+    ranks for expert layers only, so it does not move dense data-parallel ranks):
+    `rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))`.
+
+    Args:
+        rank: Global training rank.
+        world_size: Number of training ranks.
+        tp: Tensor-parallel size.
+        pp: Pipeline-parallel size.
+        cp: Context-parallel size.
+
+    Returns:
+        The data-parallel rank, in `[0, world_size // (tp * pp * cp))`.
+    """
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ValueError(
+            f"{world_size} training ranks do not split into model-parallel groups of tensor {tp} x pipeline {pp} "
+            f"x context {cp}: make --actor-num-nodes x --actor-num-gpus-per-node a multiple of {model_parallel}"
+        )
+    return (rank // (tp * cp)) % (world_size // model_parallel)
+
+
+def data_parallel_ranks(args, world_size: int) -> list[int]:
+    """The data-parallel rank of every training rank (identity under FSDP); see `data_parallel_rank`."""
+    tp, pp, cp = model_parallel_sizes(args)
+    return [data_parallel_rank(rank, world_size, tp, pp, cp) for rank in range(world_size)]
+
+
 class RayTrainGroup:
     """The training ranks of one role ("actor" or "critic").
 
@@ -42,6 +86,8 @@ class RayTrainGroup:
         world_size = len(actor_slice)
         if world_size == 0:
             raise ValueError("no bundles for the trainer: set --actor-num-nodes and --actor-num-gpus-per-node")
+        self.dp_ranks = data_parallel_ranks(args, world_size)
+        self.dp_size = max(self.dp_ranks) + 1
         # Colocated trainers share each bundle with an engine (which takes 0.2 of it).
         share = 0.4 if args.colocate else 0.8 if args.use_critic else 1.0
         env_vars = {"NCCL_CUMEM_ENABLE": "0", **(args.train_env_vars or {})}
@@ -71,17 +117,21 @@ class RayTrainGroup:
         start_ids = ray.get([actor.init.remote(self.args, self.role, with_ref) for actor in self.actors])
         return start_ids[0]
 
+    def rank_shards(self, data_refs: list) -> list:
+        """Each rank's shard: `data_refs[d]` belongs to data-parallel rank `d` (one per `dp_size`)."""
+        if len(data_refs) != self.dp_size:
+            raise ValueError(f"{len(data_refs)} data shards for {self.dp_size} data-parallel ranks")
+        return [data_refs[dp_rank] for dp_rank in self.dp_ranks]
+
     def async_train(self, rollout_id: int, data_refs: list, **kwargs) -> list:
-        """Start training on rollout `rollout_id`; `data_refs[rank]` is that rank's shard."""
-        if len(data_refs) != len(self.actors):
-            raise ValueError(f"{len(data_refs)} data shards for {len(self.actors)} training ranks")
-        return [
-            actor.train.remote(rollout_id, ref, **kwargs) for actor, ref in zip(self.actors, data_refs, strict=True)
-        ]
+        """Start training on rollout `rollout_id`; every rank gets the shard of its data-parallel rank."""
+        shards = self.rank_shards(data_refs)
+        return [actor.train.remote(rollout_id, ref, **kwargs) for actor, ref in zip(self.actors, shards, strict=True)]
 
     def compute_values(self, data_refs: list) -> list:
         """Critic only: per-rank value estimates for the actor's advantages (PPO)."""
-        return [actor.compute_values.remote(ref) for actor, ref in zip(self.actors, data_refs, strict=True)]
+        shards = self.rank_shards(data_refs)
+        return [actor.compute_values.remote(ref) for actor, ref in zip(self.actors, shards, strict=True)]
 
     def save_model(self, rollout_id: int) -> None:
         ray.get([actor.save_model.remote(rollout_id) for actor in self.actors])

@@ -27,7 +27,8 @@ class TrainingRun:
 
     @property
     def dp_size(self) -> int:
-        return len(self.actor) if self.actor is not None else 1
+        """Number of data-parallel ranks: the rollout is split into this many shards."""
+        return self.actor.dp_size if self.actor is not None else 1
 
 
 def create_training_run(args) -> TrainingRun:

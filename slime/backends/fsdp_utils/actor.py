@@ -45,7 +45,6 @@ import time
 from argparse import Namespace
 from collections import defaultdict
 from typing import Any
-from urllib.parse import urlparse
 
 import ray
 import torch
@@ -53,9 +52,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils import checkpoint
-from slime.backends.fsdp_utils.advantages import compute_advantages_and_returns
-from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, build_step_micro_batches, split_per_sample
-from slime.backends.fsdp_utils.loss import LOSS_FUNCTIONS, StepNormalizer, value_loss
+from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, build_step_micro_batches
+from slime.backends.fsdp_utils.loss import LOSS_FUNCTIONS
 from slime.backends.fsdp_utils.model import (
     build_lr_scheduler,
     build_optimizer,
@@ -70,18 +68,20 @@ from slime.backends.fsdp_utils.model import (
     snapshot_local_shards,
     training_device,
 )
-from slime.backends.fsdp_utils.update_weight import (
-    call_engines,
-    connect_broadcast_group,
-    engine_prompt_log_probs,
-    engine_span_groups,
-    probe_tokens,
-    send_buckets_as_tensors,
-    send_buckets_by_broadcast,
-)
+from slime.backends.fsdp_utils.update_weight import full_parameter_buckets
 from slime.ray.train_actor import TrainRayActor
+from slime.utils.advantages import compute_advantages_and_returns
+from slime.utils.losses import StepNormalizer, value_loss
+from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import load_function
 from slime.utils.ppo_utils import compute_log_probs
+from slime.utils.weight_sync import (
+    EngineLinks,
+    connect_engines,
+    engine_prompt_log_probs,
+    probe_tokens,
+    update_engine_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +125,8 @@ class FSDPTrainRayActor(TrainRayActor):
         self.ref_shards = self._reference_shards() if role == "actor" and with_ref else None
         self.actor_backup: dict[str, torch.Tensor] | None = None
         self.cached_values: tuple[tuple, list[torch.Tensor]] | None = None
-        self.engines: list = []
+        self.engine_links: EngineLinks | None = None
         self.weight_version = 0
-        self.broadcast_group = None
-        self.span_groups: list = []
 
         start_rollout_id = 0
         load_root = self._checkpoint_root(args.load)
@@ -425,44 +423,15 @@ class FSDPTrainRayActor(TrainRayActor):
             engines: Engine handles (RolloutEngine Ray actors, or clients with the same methods).
             engine_urls: Their base URLs (used to pick the address engines reach this rank at).
         """
-        self.engines = list(engines)
-        self.engine_urls = list(engine_urls)
-        gpus_per_engine = self.args.rollout_num_gpus_per_engine
-        if self.args.colocate:
-            self.span_groups = engine_span_groups(self.dp_size, gpus_per_engine)
-        elif self.rank == 0 and self.engines:
-            local = all(urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.engine_urls)
-            address = "127.0.0.1" if local else ray.util.get_node_ip_address()
-            kind = getattr(self.args, "rollout_backend", "sglang")
-            self.broadcast_group = connect_broadcast_group(self.engines, gpus_per_engine, address, kind)
+        self.engine_links = connect_engines(self.args, engines, engine_urls, self.rank, self.dp_size)
 
     def update_weights(self) -> None:
         """Push the current weights to every engine (paused meanwhile) under the next weight version."""
-        if not self.engines:
+        if self.engine_links is None or not self.engine_links.engines:
             raise RuntimeError("update_weights before connect_rollout_engines: the actor has no engines to update")
-        version = str(self.weight_version + 1)
-        if self.rank == 0:
-            call_engines(self.engines, "pause_generation")
-            call_engines(self.engines, "flush_cache")
-        dist.barrier()
         dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else None
-        buffer_size = self.args.update_weight_buffer_size
-        if self.args.colocate:
-            send_buckets_as_tensors(
-                self.model,
-                self.engines,
-                self.rank,
-                self.args.rollout_num_gpus_per_engine,
-                self.span_groups,
-                version,
-                buffer_size,
-                dtype,
-            )
-        else:
-            send_buckets_by_broadcast(self.model, self.engines, self.broadcast_group, version, buffer_size, dtype)
-        dist.barrier()
-        if self.rank == 0:
-            call_engines(self.engines, "continue_generation")
+        buckets = full_parameter_buckets(self.model, self.args.update_weight_buffer_size, dtype)
+        update_engine_weights(self.engine_links, buckets, self.rank, str(self.weight_version + 1))
         self.weight_version += 1
         if self.args.check_weight_update_equal and self.weight_version == 1:
             self.check_weights_equal()
@@ -489,7 +458,7 @@ class FSDPTrainRayActor(TrainRayActor):
         if self.rank != 0:
             return {"max_abs_diff": 0.0}
         gap = 0.0
-        for engine in self.engines:
+        for engine in self.engine_links.engines if self.engine_links else []:
             engine_lp = torch.tensor(engine_prompt_log_probs(engine, probe), dtype=torch.float32)
             gap = max(gap, float((engine_lp - trainer).abs().max()))
         if gap > WEIGHT_CHECK_TOLERANCE:

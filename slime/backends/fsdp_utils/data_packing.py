@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from slime.utils.micro_batches import plan_step_micro_batches
+
 
 @dataclass
 class PackedMicroBatch:
@@ -44,67 +46,6 @@ class PackedMicroBatch:
     target_tokens: torch.Tensor
     response_lengths: list[int]
     weight: float = 1.0
-
-
-def step_slices(num_samples: int, num_steps: int) -> list[range]:
-    """The samples of each optimizer step: `num_steps` equal consecutive blocks of the shard.
-
-    Args:
-        num_samples: Samples in this rank's shard.
-        num_steps: Optimizer steps in the rollout (`num_steps` of the shard).
-
-    Returns:
-        One `range` of shard positions per step.
-    """
-    if num_steps < 1 or num_samples % num_steps:
-        raise ValueError(
-            f"{num_samples} samples on this rank do not split into {num_steps} equal optimizer steps; the rollout "
-            "data must hold global_batch_size x num_steps_per_rollout samples split evenly over data-parallel ranks"
-        )
-    size = num_samples // num_steps
-    return [range(step * size, (step + 1) * size) for step in range(num_steps)]
-
-
-def group_samples(
-    sample_indices: list[int],
-    lengths: list[int],
-    micro_batch_size: int | None = None,
-    max_tokens: int | None = None,
-) -> list[list[int]]:
-    """Split one step's samples into micro-batches.
-
-    With `max_tokens` (dynamic batch size), first-fit decreasing: samples, longest first, go into
-    the first micro-batch with room, so each micro-batch holds at most `max_tokens` tokens (a
-    sample longer than that gets a micro-batch of its own). Otherwise consecutive chunks of
-    `micro_batch_size` samples.
-
-    Args:
-        sample_indices: Shard positions of the step's samples.
-        lengths: Total token count (prompt + response) of each of those samples.
-        micro_batch_size: Samples per micro-batch (`--micro-batch-size`), used without `max_tokens`.
-        max_tokens: Token budget per micro-batch (`--max-tokens-per-gpu` with `--use-dynamic-batch-size`).
-
-    Returns:
-        Lists of shard positions, one per micro-batch; each list keeps the original sample order.
-    """
-    if max_tokens is None:
-        if not micro_batch_size or micro_batch_size < 1:
-            raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-        return [sample_indices[i : i + micro_batch_size] for i in range(0, len(sample_indices), micro_batch_size)]
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for position in sorted(range(len(sample_indices)), key=lambda i: -lengths[i]):
-        for b, load in enumerate(loads):
-            if load + lengths[position] <= max_tokens:
-                bins[b].append(position)
-                loads[b] += lengths[position]
-                break
-        else:
-            bins.append([position])
-            loads.append(lengths[position])
-    return [[sample_indices[p] for p in sorted(b)] for b in bins]
 
 
 def pack_micro_batch(
@@ -195,9 +136,7 @@ def build_step_micro_batches(
         For each step, its micro-batches; padding ones (weight 0) repeat the step's first micro-batch.
     """
     steps = []
-    for block in step_slices(len(tokens), num_steps):
-        indices = list(block)
-        groups = group_samples(indices, [len(tokens[i]) for i in indices], micro_batch_size, max_tokens)
+    for groups in plan_step_micro_batches(tokens, num_steps, micro_batch_size, max_tokens):
         target = align_micro_batch_counts(groups, process_group)
         micro_batches = [pack_micro_batch(tokens, response_lengths, group, device) for group in groups]
         micro_batches += [
@@ -206,11 +145,6 @@ def build_step_micro_batches(
         ]
         steps.append(micro_batches)
     return steps
-
-
-def split_per_sample(values: torch.Tensor, response_lengths: list[int]) -> list[torch.Tensor]:
-    """Split a flat `[M]` tensor over a micro-batch's response tokens into one tensor per sample."""
-    return list(torch.split(values, response_lengths))
 
 
 def _collective_device(process_group: dist.ProcessGroup | None) -> torch.device:

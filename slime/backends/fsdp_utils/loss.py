@@ -1,67 +1,20 @@
-"""Losses of one micro-batch: policy (PPO / GSPO / CISPO, TIS, KL, entropy), SFT, value, custom.
+"""Losses of one FSDP micro-batch from the response logits: policy, SFT and custom (value loss for the critic).
 
-Aggregation. Every per-token quantity is reduced with the step's `StepNormalizer`, whose
-denominators count the whole optimizer step over all data-parallel ranks:
-
-- default: sum over samples of each sample's masked token mean, divided by the step's sample
-  count (the mean over the global batch of per-sample means);
-- `--calculate-per-token-loss`: masked token sum divided by the step's trainable-token count.
-
-So the micro-batch values add up, over micro-batches and ranks, to the global-batch value no
-matter how the batch was split. Metrics are reduced the same way and are summed by the trainer.
-FSDP averages gradients over ranks, so the trainer multiplies the loss by the data-parallel size
-before `backward`.
+The current policy's log-probs and entropies come from the `[M, vocab]` response logits; the loss
+assembly and the step normalizer are backend-neutral (`slime.utils.losses`). FSDP averages gradients
+over ranks, so the trainer multiplies the loss by the data-parallel size before `backward`.
 """
 
 from __future__ import annotations
 
 from argparse import Namespace
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from slime.backends.fsdp_utils.data_packing import split_per_sample
+from slime.utils.losses import Metrics, StepNormalizer, policy_loss_from_log_probs, sft_loss_from_log_probs
 from slime.utils.misc import load_function
-from slime.utils.ppo_utils import (
-    compute_approx_kl,
-    compute_cispo_loss,
-    compute_entropy_from_logits,
-    compute_gspo_kl,
-    compute_log_probs,
-    compute_policy_loss,
-    compute_value_loss,
-    per_token_mean,
-    sum_of_sample_mean,
-    vanilla_tis_function,
-)
-
-Metrics = dict[str, torch.Tensor]
-
-
-@dataclass
-class StepNormalizer:
-    """Denominators of one optimizer step, counted over every data-parallel rank.
-
-    Attributes:
-        num_samples: Samples in the step (the global batch size).
-        num_tokens: Trainable (loss-mask) tokens in the step.
-        per_token: `--calculate-per-token-loss`.
-    """
-
-    num_samples: int
-    num_tokens: int
-    per_token: bool = False
-
-    def reduce(self, per_token_values: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> torch.Tensor:
-        """This micro-batch's share of the step's aggregate of `per_token_values`."""
-        if self.per_token:
-            return per_token_mean(per_token_values, loss_masks, num_tokens=max(self.num_tokens, 1))
-        return sum_of_sample_mean(per_token_values, loss_masks, num_samples=self.num_samples)
-
-    def token_share(self, loss_masks: list[torch.Tensor]) -> float:
-        """Fraction of the step's trainable tokens in this micro-batch (weights token-mean metrics)."""
-        return float(sum(mask.sum() for mask in loss_masks)) / max(self.num_tokens, 1)
+from slime.utils.ppo_utils import compute_entropy_from_logits, compute_log_probs
 
 
 def policy_loss(
@@ -83,71 +36,17 @@ def policy_loss(
     Returns:
         (loss to backpropagate, metrics: loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl_loss, tis_*).
     """
-    lengths, masks = batch["response_lengths"], batch["loss_masks"]
     flat_log_probs = compute_log_probs(logits, batch["target_tokens"])
-    log_probs = split_per_sample(flat_log_probs, lengths)
-    old_log_probs = batch["log_probs"]
-    advantages = torch.cat(batch["advantages"])
-
-    if args.advantage_estimator == "gspo":
-        ppo_kl = compute_gspo_kl(log_probs, old_log_probs, masks)
-    else:
-        ppo_kl = torch.cat(old_log_probs) - flat_log_probs
-    if args.advantage_estimator == "cispo":
-        pg_losses, clipfrac = compute_cispo_loss(ppo_kl, flat_log_probs, advantages, args.eps_clip_high)
-    else:
-        pg_losses, clipfrac = compute_policy_loss(
-            ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c
-        )
-
-    metrics: Metrics = {}
-    pg_masks = masks
-    if args.use_tis:
-        tis_path = getattr(args, "custom_tis_function_path", None)
-        tis_function = load_function(tis_path) if tis_path else vanilla_tis_function
-        pg_losses, pg_masks, tis_metrics = tis_function(
-            args,
-            pg_loss=pg_losses,
-            train_log_probs=old_log_probs,
-            rollout_log_probs=batch["rollout_log_probs"],
-            loss_masks=masks,
-            total_lengths=batch["total_lengths"],
-            response_lengths=lengths,
-        )
-        share = normalizer.token_share(masks)
-        metrics |= {name: value.detach() * share for name, value in tis_metrics.items()}
-
-    pg_loss = normalizer.reduce(split_per_sample(pg_losses, lengths), pg_masks)
     with torch.set_grad_enabled(torch.is_grad_enabled() and args.entropy_coef != 0):
-        entropy = normalizer.reduce(split_per_sample(compute_entropy_from_logits(logits), lengths), masks)
-    loss = pg_loss - args.entropy_coef * entropy
-
-    if args.use_kl_loss:
-        ratio = torch.exp(flat_log_probs - torch.cat(old_log_probs)).detach() if args.use_unbiased_kl else None
-        kl = compute_approx_kl(
-            flat_log_probs, torch.cat(batch["ref_log_probs"]), args.kl_loss_type, importance_ratio=ratio
-        )
-        kl_loss = normalizer.reduce(split_per_sample(kl, lengths), masks)
-        loss = loss + args.kl_loss_coef * kl_loss
-        metrics["kl_loss"] = kl_loss.detach()
-
-    metrics |= {
-        "loss": loss.detach(),
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": normalizer.reduce(split_per_sample(clipfrac, lengths), masks).detach(),
-        "ppo_kl": normalizer.reduce(split_per_sample(ppo_kl.detach(), lengths), masks).detach(),
-        "entropy": entropy.detach(),
-    }
-    return loss, metrics
+        entropy = compute_entropy_from_logits(logits)
+    return policy_loss_from_log_probs(args, batch, flat_log_probs, entropy, normalizer)
 
 
 def sft_loss(
     args: Namespace, batch: dict, logits: torch.Tensor, normalizer: StepNormalizer
 ) -> tuple[torch.Tensor, Metrics]:
     """Negative log-likelihood of the trainable response tokens (`--loss-type sft_loss`)."""
-    log_probs = split_per_sample(compute_log_probs(logits, batch["target_tokens"]), batch["response_lengths"])
-    loss = normalizer.reduce([-lp for lp in log_probs], batch["loss_masks"])
-    return loss, {"loss": loss.detach()}
+    return sft_loss_from_log_probs(batch, compute_log_probs(logits, batch["target_tokens"]), normalizer)
 
 
 def custom_loss(
@@ -174,27 +73,3 @@ LOSS_FUNCTIONS: dict[str, Callable[..., tuple[torch.Tensor, Metrics]]] = {
     "sft_loss": sft_loss,
     "custom_loss": custom_loss,
 }
-
-
-def value_loss(
-    args: Namespace, batch: dict, values: torch.Tensor, normalizer: StepNormalizer
-) -> tuple[torch.Tensor, Metrics]:
-    """Clipped value loss of the critic on the returns (`--value-clip`).
-
-    Args:
-        args: Needs `value_clip`.
-        batch: Per-sample `values` (the critic's values when the data was scored), `returns`, `loss_masks`,
-            and `response_lengths`.
-        values: `[M]` current critic values at the response positions.
-        normalizer: The step's denominators.
-
-    Returns:
-        (loss, metrics: value_loss, value_clipfrac).
-    """
-    lengths, masks = batch["response_lengths"], batch["loss_masks"]
-    losses, clipfrac = compute_value_loss(
-        values, torch.cat(batch["values"]), torch.cat(batch["returns"]), args.value_clip
-    )
-    loss = normalizer.reduce(split_per_sample(losses, lengths), masks)
-    clipped = normalizer.reduce(split_per_sample(clipfrac, lengths), masks)
-    return loss, {"value_loss": loss.detach(), "value_clipfrac": clipped.detach()}

@@ -11,9 +11,9 @@ log-probs with the current weights (skipped with `--use-rollout-logprobs`), adva
 the `--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps. Every pass runs the
 same packed micro-batches through Megatron's forward-backward schedule (pipeline parallel aware).
 
-Data: the driver splits a rollout over all training ranks, but the ranks of one model-parallel
-group (TP x PP x CP) must see the same samples, so each group merges its members' shards
-(`data.merge_shards`) and data-parallel collectives run over Megatron's data-parallel group.
+Data: the driver splits a rollout into one shard per data-parallel rank and `RayTrainGroup` gives
+every rank of a model-parallel group (TP x PP x CP) the shard of its data-parallel rank
+(`actor_group.data_parallel_rank`); data-parallel collectives run over Megatron's data-parallel group.
 
 Loss scaling: the loss of a micro-batch is this data-parallel rank's share of the global-batch
 value (`loss.StepNormalizer`). Megatron's schedule divides it by the micro-batch count (and
@@ -34,7 +34,6 @@ from argparse import Namespace
 from collections import defaultdict
 from functools import partial
 from typing import Any
-from urllib.parse import urlparse
 
 import ray
 import torch
@@ -46,10 +45,8 @@ from slime.backends.megatron_utils.cp_utils import gather_zigzag, zigzag_positio
 from slime.backends.megatron_utils.data import (
     PackedMicroBatch,
     build_step_micro_batches,
-    merge_shards,
-    split_per_sample,
 )
-from slime.backends.megatron_utils.loss import LOSS_FUNCTIONS, ResponseOutputs, StepNormalizer, log_probs_and_entropy
+from slime.backends.megatron_utils.loss import LOSS_FUNCTIONS, ResponseOutputs, log_probs_and_entropy
 from slime.backends.megatron_utils.model import (
     build_model,
     build_optimizer,
@@ -57,26 +54,18 @@ from slime.backends.megatron_utils.model import (
     unwrap_model,
 )
 from slime.backends.megatron_utils.parallel import named_weights
-from slime.backends.megatron_utils.update_weight import (
-    call_engines,
-    connect_broadcast_group,
-    engine_prompt_log_probs,
-    engine_span_groups,
-    hf_weight_buckets,
-    probe_tokens,
-    send_buckets_as_tensors,
-    send_buckets_by_broadcast,
-)
+from slime.backends.megatron_utils.update_weight import hf_weight_buckets
 from slime.ray.train_actor import TrainRayActor
+from slime.utils.advantages import compute_advantages_and_returns
+from slime.utils.losses import StepNormalizer
+from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import load_function
-from slime.utils.ppo_utils import (
-    build_token_level_rewards,
-    compute_approx_kl,
-    distributed_masked_whiten,
-    get_advantages_and_returns_batch,
-    get_grpo_returns,
-    get_reinforce_plus_plus_baseline_advantages,
-    get_reinforce_plus_plus_returns,
+from slime.utils.weight_sync import (
+    EngineLinks,
+    connect_engines,
+    engine_prompt_log_probs,
+    probe_tokens,
+    update_engine_weights,
 )
 
 logger = logging.getLogger(__name__)
@@ -138,52 +127,6 @@ def build_lr_scheduler(args: Namespace, optimizer):
         wsd_decay_steps=getattr(args, "lr_wsd_decay_iters", None),
         lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None),
     )
-
-
-def compute_advantages_and_returns(
-    args: Namespace, data: dict, process_group: dist.ProcessGroup | None, device: torch.device
-) -> None:
-    """Set `data["advantages"]` and `data["returns"]` per `--advantage-estimator` (math in ppo_utils).
-
-    Same definitions as the FSDP backend; `--normalize-advantages` whitens over the trainable tokens
-    of the data-parallel group (a collective).
-    """
-    custom = getattr(args, "custom_advantage_function_path", None)
-    if custom:
-        load_function(custom)(args, data)
-        missing = [key for key in ("advantages", "returns") if data.get(key) is None]
-        if missing:
-            raise ValueError(f"--custom-advantage-function-path {custom} did not set {missing} in the rollout data")
-    else:
-        rewards, masks = data["rewards"], data["loss_masks"]
-        if data.get("ref_log_probs") is None:
-            kl = [torch.zeros(mask.shape, dtype=torch.float32) for mask in masks]
-        else:
-            pairs = zip(data["log_probs"], data["ref_log_probs"], strict=True)
-            kl = [compute_approx_kl(log_probs, ref, args.kl_loss_type) for log_probs, ref in pairs]
-        estimator = args.advantage_estimator
-        if estimator in ("grpo", "gspo", "cispo"):
-            advantages = returns = get_grpo_returns(rewards, kl)
-        elif estimator == "reinforce_plus_plus":
-            advantages = returns = get_reinforce_plus_plus_returns(rewards, kl, masks, args.kl_coef, args.gamma)
-        elif estimator == "reinforce_plus_plus_baseline":
-            advantages = returns = get_reinforce_plus_plus_baseline_advantages(rewards, kl, masks, args.kl_coef)
-        elif estimator == "ppo":
-            if data.get("values") is None:
-                raise ValueError("--advantage-estimator ppo needs critic values; pass them to train (values_refs=)")
-            token_rewards = build_token_level_rewards(rewards, kl, masks, args.kl_coef)
-            advantages, returns = get_advantages_and_returns_batch(
-                data["values"], token_rewards, args.gamma, args.lambd
-            )
-        else:
-            raise ValueError(f"unknown --advantage-estimator {estimator!r}")
-        data["advantages"], data["returns"] = list(advantages), list(returns)
-    if args.normalize_advantages:
-        lengths = [a.numel() for a in data["advantages"]]
-        flat = torch.cat(data["advantages"]).float().to(device)
-        mask = torch.cat([m.float() for m in data["loss_masks"]]).to(device)
-        whitened = distributed_masked_whiten(flat, mask, process_group=process_group).cpu()
-        data["advantages"] = list(torch.split(whitened, lengths))
 
 
 class MegatronTrainRayActor(TrainRayActor):
@@ -262,10 +205,8 @@ class MegatronTrainRayActor(TrainRayActor):
             logger.info("rank %d: resumed from %s rollout %d", self.rank, args.load, iteration)
 
         self.actor_backup: dict[str, torch.Tensor] | None = None
-        self.engines: list = []
+        self.engine_links: EngineLinks | None = None
         self.weight_version = 0
-        self.broadcast_group = None
-        self.span_groups: list = []
         return start_rollout_id
 
     def _ref_iteration(self, source: str) -> int | None:
@@ -297,11 +238,6 @@ class MegatronTrainRayActor(TrainRayActor):
             rollout_data = ray.get(rollout_data)
         data = dict(rollout_data)
         data.setdefault("num_steps", self.args.num_steps_per_rollout)
-        if dist.get_world_size() > self.dp_size:
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, (self.mpu.get_data_parallel_rank(), data))
-            data = merge_shards([shard for dp_rank, shard in everyone if dp_rank == self.mpu.get_data_parallel_rank()])
-            data = dict(data)
         data["loss_masks"] = [torch.as_tensor(mask, dtype=torch.float32) for mask in data["loss_masks"]]
         if data.get("rollout_log_probs") is not None:
             data["rollout_log_probs"] = [torch.as_tensor(lp, dtype=torch.float32) for lp in data["rollout_log_probs"]]
@@ -613,41 +549,19 @@ class MegatronTrainRayActor(TrainRayActor):
 
     def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
         """Remember the engines; colocated: form span subgroups, disaggregated: rank 0 forms the broadcast group."""
-        self.engines = list(engines)
-        self.engine_urls = list(engine_urls)
-        gpus_per_engine = self.args.rollout_num_gpus_per_engine
-        if self.args.colocate:
-            self.span_groups = engine_span_groups(dist.get_world_size(), gpus_per_engine)
-        elif self.rank == 0 and self.engines:
-            local = all(urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.engine_urls)
-            address = "127.0.0.1" if local else ray.util.get_node_ip_address()
-            kind = getattr(self.args, "rollout_backend", "sglang")
-            self.broadcast_group = connect_broadcast_group(self.engines, gpus_per_engine, address, kind)
+        self.engine_links = connect_engines(self.args, engines, engine_urls, self.rank, dist.get_world_size())
 
     def update_weights(self) -> None:
         """Push the current weights to every engine (paused meanwhile) under the next weight version."""
-        if not self.engines:
+        if self.engine_links is None or not self.engine_links.engines:
             raise RuntimeError("update_weights before connect_rollout_engines: the actor has no engines to update")
         if self.mpu.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("weight sync with --pipeline-model-parallel-size > 1 is not implemented yet")
-        version = str(self.weight_version + 1)
-        if self.rank == 0:
-            call_engines(self.engines, "pause_generation")
-            call_engines(self.engines, "flush_cache")
-        dist.barrier()
         dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else None
         buckets = hf_weight_buckets(
             self.model, self.family, self.vocab_size, self.args.update_weight_buffer_size, dtype
         )
-        if self.args.colocate:
-            send_buckets_as_tensors(
-                buckets, self.engines, self.rank, self.args.rollout_num_gpus_per_engine, self.span_groups, version
-            )
-        else:
-            send_buckets_by_broadcast(buckets, self.engines, self.broadcast_group, version)
-        dist.barrier()
-        if self.rank == 0:
-            call_engines(self.engines, "continue_generation")
+        update_engine_weights(self.engine_links, buckets, self.rank, str(self.weight_version + 1))
         self.weight_version += 1
         if self.args.check_weight_update_equal and self.weight_version == 1:
             self.check_weights_equal()
@@ -667,7 +581,7 @@ class MegatronTrainRayActor(TrainRayActor):
         if self.rank != 0:
             return {"max_abs_diff": 0.0}
         gap = 0.0
-        for engine in self.engines:
+        for engine in self.engine_links.engines if self.engine_links else []:
             engine_lp = torch.tensor(engine_prompt_log_probs(engine, probe), dtype=torch.float32)
             gap = max(gap, float((engine_lp - trainer).abs().max()))
         if gap > WEIGHT_CHECK_TOLERANCE:

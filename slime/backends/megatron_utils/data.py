@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slime.utils.micro_batches import plan_step_micro_batches
+
 
 @dataclass
 class PackedMicroBatch:
@@ -68,59 +70,6 @@ class PackedMicroBatch:
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
-
-
-def step_slices(num_samples: int, num_steps: int) -> list[range]:
-    """The samples of each optimizer step: `num_steps` equal consecutive blocks of the shard.
-
-    Raises:
-        ValueError: when the shard does not split evenly, naming the batch-size flags to fix.
-    """
-    if num_steps < 1 or num_samples % num_steps:
-        raise ValueError(
-            f"{num_samples} samples on this rank do not split into {num_steps} equal optimizer steps; the rollout "
-            "data must hold --global-batch-size x --num-steps-per-rollout samples split evenly over data-parallel ranks"
-        )
-    size = num_samples // num_steps
-    return [range(step * size, (step + 1) * size) for step in range(num_steps)]
-
-
-def group_samples(
-    sample_indices: list[int], lengths: list[int], micro_batch_size: int | None, max_tokens: int | None
-) -> list[list[int]]:
-    """Split one step's samples into micro-batches.
-
-    With `max_tokens` (`--use-dynamic-batch-size`): first-fit decreasing into bins of at most
-    `max_tokens` tokens (a longer sample gets its own bin). Otherwise consecutive chunks of
-    `micro_batch_size` samples.
-
-    Args:
-        sample_indices: Shard positions of the step's samples.
-        lengths: Total token count of each of those samples.
-        micro_batch_size: `--micro-batch-size`.
-        max_tokens: `--max-tokens-per-gpu`, or None.
-
-    Returns:
-        Lists of shard positions, each in the original order.
-    """
-    if max_tokens is None:
-        if not micro_batch_size or micro_batch_size < 1:
-            raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-        return [sample_indices[i : i + micro_batch_size] for i in range(0, len(sample_indices), micro_batch_size)]
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for position in sorted(range(len(sample_indices)), key=lambda i: -lengths[i]):
-        for b, load in enumerate(loads):
-            if load + lengths[position] <= max_tokens:
-                bins[b].append(position)
-                loads[b] += lengths[position]
-                break
-        else:
-            bins.append([position])
-            loads.append(lengths[position])
-    return [[sample_indices[p] for p in sorted(b)] for b in bins]
 
 
 def pack_micro_batch(
@@ -206,9 +155,7 @@ def build_step_micro_batches(
         For each step, its micro-batches.
     """
     steps = []
-    for block in step_slices(len(tokens), num_steps):
-        indices = list(block)
-        groups = group_samples(indices, [len(tokens[i]) for i in indices], micro_batch_size, max_tokens)
+    for groups in plan_step_micro_batches(tokens, num_steps, micro_batch_size, max_tokens):
         steps.append(
             [
                 pack_micro_batch(tokens, response_lengths, g, pad_multiple, 0, device, sequence_pad_multiple)
@@ -216,40 +163,3 @@ def build_step_micro_batches(
             ]
         )
     return steps
-
-
-def merge_shards(shards: list[dict]) -> dict:
-    """One data-parallel shard from the per-rank shards of a model-parallel group.
-
-    The driver splits a rollout over every training rank, but the ranks of one tensor/pipeline/context
-    parallel group must train on the same samples. Each rank's shard holds `num_steps` equal step
-    blocks; the merged shard keeps that layout: step `s` is every shard's step-`s` block, in rank order.
-
-    Args:
-        shards: The shards of the group's ranks, in rank order (each with `tokens`, `num_steps`, ...).
-
-    Returns:
-        The merged shard (scalars such as `num_steps` taken from the first shard).
-    """
-    if len(shards) == 1:
-        return shards[0]
-    num_steps = shards[0]["num_steps"]
-    num_samples = len(shards[0]["tokens"])
-    slices = [step_slices(len(shard["tokens"]), num_steps) for shard in shards]
-    merged = {}
-    for key, value in shards[0].items():
-        if isinstance(value, list) and len(value) == num_samples:
-            merged[key] = [
-                shard[key][i]
-                for step in range(num_steps)
-                for shard, cut in zip(shards, slices, strict=True)
-                for i in cut[step]
-            ]
-        else:
-            merged[key] = value
-    return merged
-
-
-def split_per_sample(values: torch.Tensor, response_lengths: list[int]) -> list[torch.Tensor]:
-    """Split a flat `[M]` tensor over a micro-batch's response tokens into one tensor per sample."""
-    return list(torch.split(values, response_lengths))

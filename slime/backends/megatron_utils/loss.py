@@ -14,10 +14,8 @@ the padded entries are masked out so the softmax runs over the true vocabulary, 
 and the engine's do. With one tensor-parallel rank the shared `slime.utils.ppo_utils` functions
 are used on the true-vocabulary slice, the same calls as the FSDP backend.
 
-Aggregation (`StepNormalizer`): per-token values are reduced with the step's denominators counted
-over all data-parallel ranks (sum of per-sample means / samples in the step, or with
-`--calculate-per-token-loss` token sum / trainable tokens in the step), so micro-batch values add
-up over micro-batches and ranks to the global-batch value. The trainer scales the loss for
+The loss assembly and its step normalizer are backend-neutral (`slime.utils.losses`), the same as the
+FSDP backend's: identical log-probs give identical losses. The trainer scales the loss for
 Megatron's gradient averaging.
 """
 
@@ -30,22 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron_utils.data import split_per_sample
+from slime.utils.losses import Metrics, StepNormalizer, policy_loss_from_log_probs, sft_loss_from_log_probs
 from slime.utils.misc import load_function
-from slime.utils.ppo_utils import (
-    compute_approx_kl,
-    compute_cispo_loss,
-    compute_entropy_from_logits,
-    compute_gspo_kl,
-    compute_log_probs,
-    compute_policy_loss,
-    compute_value_loss,
-    per_token_mean,
-    sum_of_sample_mean,
-    vanilla_tis_function,
-)
+from slime.utils.ppo_utils import compute_entropy_from_logits, compute_log_probs
 
-Metrics = dict[str, torch.Tensor]
 # Logit given to padded vocabulary entries: exp() of it is exactly 0, and 0 * it is 0 (not nan).
 _MASKED_LOGIT = -1e30
 
@@ -106,31 +92,6 @@ def log_probs_and_entropy(
 
 
 @dataclass
-class StepNormalizer:
-    """Denominators of one optimizer step, counted over every data-parallel rank.
-
-    Attributes:
-        num_samples: Samples in the step (the global batch size).
-        num_tokens: Trainable (loss-mask) tokens in the step.
-        per_token: `--calculate-per-token-loss`.
-    """
-
-    num_samples: int
-    num_tokens: int
-    per_token: bool = False
-
-    def reduce(self, per_token_values: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> torch.Tensor:
-        """This micro-batch's share of the step's aggregate of `per_token_values`."""
-        if self.per_token:
-            return per_token_mean(per_token_values, loss_masks, num_tokens=max(self.num_tokens, 1))
-        return sum_of_sample_mean(per_token_values, loss_masks, num_samples=self.num_samples)
-
-    def token_share(self, loss_masks: list[torch.Tensor]) -> float:
-        """Fraction of the step's trainable tokens in this micro-batch (weights token-mean metrics)."""
-        return float(sum(mask.sum() for mask in loss_masks)) / max(self.num_tokens, 1)
-
-
-@dataclass
 class ResponseOutputs:
     """What the model produced for a micro-batch's response tokens.
 
@@ -164,70 +125,14 @@ def policy_loss(
     Returns:
         (loss to backpropagate, metrics: loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl_loss, tis_*).
     """
-    lengths, masks = batch["response_lengths"], batch["loss_masks"]
-    flat_log_probs = outputs.log_probs
-    log_probs = split_per_sample(flat_log_probs, lengths)
-    old_log_probs = batch["log_probs"]
-    advantages = torch.cat(batch["advantages"])
-
-    if args.advantage_estimator == "gspo":
-        ppo_kl = compute_gspo_kl(log_probs, old_log_probs, masks)
-    else:
-        ppo_kl = torch.cat(old_log_probs) - flat_log_probs
-    if args.advantage_estimator == "cispo":
-        pg_losses, clipfrac = compute_cispo_loss(ppo_kl, flat_log_probs, advantages, args.eps_clip_high)
-    else:
-        pg_losses, clipfrac = compute_policy_loss(
-            ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c
-        )
-
-    metrics: Metrics = {}
-    pg_masks = masks
-    if args.use_tis:
-        tis_path = getattr(args, "custom_tis_function_path", None)
-        tis_function = load_function(tis_path) if tis_path else vanilla_tis_function
-        pg_losses, pg_masks, tis_metrics = tis_function(
-            args,
-            pg_loss=pg_losses,
-            train_log_probs=old_log_probs,
-            rollout_log_probs=batch["rollout_log_probs"],
-            loss_masks=masks,
-            total_lengths=batch["total_lengths"],
-            response_lengths=lengths,
-        )
-        share = normalizer.token_share(masks)
-        metrics |= {name: value.detach() * share for name, value in tis_metrics.items()}
-
-    pg_loss = normalizer.reduce(split_per_sample(pg_losses, lengths), pg_masks)
-    entropy = normalizer.reduce(split_per_sample(outputs.entropy, lengths), masks)
-    loss = pg_loss - args.entropy_coef * entropy
-
-    if args.use_kl_loss:
-        ratio = torch.exp(flat_log_probs - torch.cat(old_log_probs)).detach() if args.use_unbiased_kl else None
-        kl = compute_approx_kl(
-            flat_log_probs, torch.cat(batch["ref_log_probs"]), args.kl_loss_type, importance_ratio=ratio
-        )
-        kl_loss = normalizer.reduce(split_per_sample(kl, lengths), masks)
-        loss = loss + args.kl_loss_coef * kl_loss
-        metrics["kl_loss"] = kl_loss.detach()
-
-    metrics |= {
-        "loss": loss.detach(),
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": normalizer.reduce(split_per_sample(clipfrac, lengths), masks).detach(),
-        "ppo_kl": normalizer.reduce(split_per_sample(ppo_kl.detach(), lengths), masks).detach(),
-        "entropy": entropy.detach(),
-    }
-    return loss, metrics
+    return policy_loss_from_log_probs(args, batch, outputs.log_probs, outputs.entropy, normalizer)
 
 
 def sft_loss(
     args: Namespace, batch: dict, outputs: ResponseOutputs, normalizer: StepNormalizer
 ) -> tuple[torch.Tensor, Metrics]:
     """Negative log-likelihood of the trainable response tokens (`--loss-type sft_loss`)."""
-    log_probs = split_per_sample(outputs.log_probs, batch["response_lengths"])
-    loss = normalizer.reduce([-lp for lp in log_probs], batch["loss_masks"])
-    return loss, {"loss": loss.detach()}
+    return sft_loss_from_log_probs(batch, outputs.log_probs, normalizer)
 
 
 def custom_loss(
@@ -254,26 +159,3 @@ LOSS_FUNCTIONS: dict[str, Callable[..., tuple[torch.Tensor, Metrics]]] = {
     "sft_loss": sft_loss,
     "custom_loss": custom_loss,
 }
-
-
-def value_loss(
-    args: Namespace, batch: dict, values: torch.Tensor, normalizer: StepNormalizer
-) -> tuple[torch.Tensor, Metrics]:
-    """Clipped value loss of the critic on the returns (`--value-clip`).
-
-    Args:
-        args: Needs `value_clip`.
-        batch: Per-sample `values` (when the data was scored), `returns`, `loss_masks`, `response_lengths`.
-        values: `[M]` current critic values at the positions predicting each response token.
-        normalizer: The step's denominators.
-
-    Returns:
-        (loss, metrics: value_loss, value_clipfrac).
-    """
-    lengths, masks = batch["response_lengths"], batch["loss_masks"]
-    losses, clipfrac = compute_value_loss(
-        values, torch.cat(batch["values"]), torch.cat(batch["returns"]), args.value_clip
-    )
-    loss = normalizer.reduce(split_per_sample(losses, lengths), masks)
-    clipped = normalizer.reduce(split_per_sample(clipfrac, lengths), masks)
-    return loss, {"value_loss": loss.detach(), "value_clipfrac": clipped.detach()}

@@ -1,0 +1,336 @@
+"""The trainer side of a weight update: talk to the engines and send them buckets of HF-named tensors.
+
+Shared by both training backends; each backend only says how it produces its full HF-named tensors
+(FSDP: `DTensor.full_tensor()`; Megatron: tensor-parallel gather + `megatron_to_hf`). Every training
+rank iterates the buckets to the end, because producing them is a collective. Two transports
+(payload format and group construction in `slime.utils.weight_transport`):
+
+- colocated (`--colocate`), `send_buckets_as_tensors`: engine `e` is served by training ranks
+  `[e * g, (e + 1) * g)` (g = `--rollout-num-gpus-per-engine`). Each of those ranks serializes its
+  copy of the bucket (CUDA IPC handles on GPU, named shared memory on CPU) and the first rank of the
+  span posts one payload per engine TP rank to `/update_weights_from_tensor`. Only same-host engines
+  can map it.
+- disaggregated, `send_buckets_by_broadcast`: training rank 0 forms a process group of its own with
+  every engine rank (`connect_broadcast_group`: NCCL between GPUs, gloo when either side is on CPU),
+  then per bucket posts the names/dtypes/shapes to `/update_weights_from_distributed` and broadcasts
+  the tensors in that order.
+
+`update_engine_weights` wraps either transport in the pause / flush / resume protocol the actors use.
+Engines are Ray actor handles of `RolloutEngine` or plain clients with the same methods
+(`EngineClient`); `call_engine` calls either.
+"""
+
+from __future__ import annotations
+
+import uuid
+from argparse import Namespace
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import ray
+import torch
+import torch.distributed as dist
+
+from slime.ray.train_actor import get_free_port
+from slime.utils.weight_transport import init_process_group_like_sglang, serialize_named_tensors
+
+GROUP_NAME = "slime_weight_update"
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def call_engine(engine: Any, method: str, **kwargs: Any) -> Any:
+    """Call `engine.method(**kwargs)` on a Ray actor handle (and wait) or on a plain client object."""
+    function = getattr(engine, method)
+    remote = getattr(function, "remote", None)
+    if remote is not None:
+        return ray.get(remote(**kwargs))
+    return function(**kwargs)
+
+
+def call_engines(engines: list, method: str, **kwargs: Any) -> list:
+    """`call_engine` on every engine concurrently; returns the results in order, raising the first error."""
+    if not engines:
+        return []
+    with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+        futures = [pool.submit(call_engine, engine, method, **kwargs) for engine in engines]
+        return [future.result() for future in futures]
+
+
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], buffer_size: int) -> Iterator[Bucket]:
+    """Group (HF name, tensor) pairs, in order, into buckets of at most `buffer_size` bytes.
+
+    Args:
+        named_tensors: Full tensors under their HF names, ready to send (contiguous, final dtype).
+        buffer_size: Bucket byte limit (`--update-weight-buffer-size`); a larger single tensor goes alone.
+
+    Yields:
+        Lists of (name, tensor).
+    """
+    bucket: Bucket = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > buffer_size:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+# ---------------------------------------------------------------------------------------------
+# Colocated: tensors through shared memory
+# ---------------------------------------------------------------------------------------------
+
+
+def engine_span_groups(world_size: int, gpus_per_engine: int) -> list[dist.ProcessGroup | None]:
+    """Gloo subgroups of the ranks serving each colocated engine (None when an engine has one rank).
+
+    A collective over the default group: every rank must call it, in the same order.
+    """
+    if gpus_per_engine == 1:
+        return [None] * world_size
+    return [
+        dist.new_group(list(range(start, start + gpus_per_engine)), backend="gloo")
+        for start in range(0, world_size, gpus_per_engine)
+    ]
+
+
+def send_buckets_as_tensors(
+    buckets: Iterable[Bucket],
+    engines: list,
+    rank: int,
+    gpus_per_engine: int,
+    span_groups: list[dist.ProcessGroup | None],
+    weight_version: str,
+) -> None:
+    """Colocated update: every rank consumes every bucket; the first rank of each engine's span posts.
+
+    Args:
+        buckets: HF-named tensor buckets (every rank iterates them to the end: producing them is a collective).
+        engines: One handle per colocated engine, engine `e` on ranks `[e * g, (e + 1) * g)`.
+        rank: This training rank.
+        gpus_per_engine: `g`, the engine's TP size.
+        span_groups: From `engine_span_groups`.
+        weight_version: Label the engines report afterwards.
+    """
+    engine_index = rank // gpus_per_engine
+    engine = engines[engine_index] if engine_index < len(engines) else None
+    span_start = engine_index * gpus_per_engine
+    for bucket in buckets:
+        if engine is None:
+            continue
+        payload = serialize_named_tensors(bucket)
+        if gpus_per_engine == 1:
+            payloads = [payload]
+        else:
+            payloads = [None] * gpus_per_engine if rank == span_start else None
+            dist.gather_object(payload, payloads, dst=span_start, group=span_groups[engine_index])
+        if rank == span_start:
+            call_engine(
+                engine,
+                "update_weights_from_tensor",
+                serialized_named_tensors=payloads,
+                flush_cache=False,
+                weight_version=weight_version,
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Disaggregated: broadcast over a separate process group
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BroadcastGroup:
+    """Training rank 0's side of the weight-broadcast group.
+
+    Attributes:
+        group: The process group (this process is rank 0).
+        name: Its name on the engines.
+    """
+
+    group: dist.ProcessGroup
+    name: str
+
+
+def connect_broadcast_group(
+    engines: list, gpus_per_engine: int, master_address: str, engine_kind: str
+) -> BroadcastGroup:
+    """Form the weight-broadcast group: this process (training rank 0) as rank 0, then every engine rank.
+
+    Every side builds the group with SGLang's store layout (`init_process_group_like_sglang`).
+    The engines are asked to join (`init_weights_update_group`) concurrently with this process
+    creating the store, since each side waits for the other. Each call makes a group with a new
+    name, so a trainer can reconnect to restarted engines.
+
+    Args:
+        engines: Engine handles; engine `e` takes ranks `1 + e * g ... (e + 1) * g`.
+        gpus_per_engine: `g`, ranks per engine.
+        master_address: Address of this process that every engine can reach.
+        engine_kind: "sglang" or "cpu" (`--rollout-backend`); picks the collective backend: NCCL for
+            SGLang when this process has CUDA, gloo otherwise (the CPU engine only speaks gloo).
+
+    Returns:
+        The group; pass it to `send_buckets_by_broadcast`.
+    """
+    name = f"{GROUP_NAME}_{uuid.uuid4().hex[:12]}"
+    backend = "nccl" if engine_kind == "sglang" and torch.cuda.is_available() else "gloo"
+    port = get_free_port(master_address)
+    world_size = 1 + len(engines) * gpus_per_engine
+    with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+        joins = [
+            pool.submit(
+                call_engine,
+                engine,
+                "init_weights_update_group",
+                master_address=master_address,
+                master_port=port,
+                rank_offset=1 + index * gpus_per_engine,
+                world_size=world_size,
+                group_name=name,
+                backend=backend,
+            )
+            for index, engine in enumerate(engines)
+        ]
+        group = init_process_group_like_sglang(backend, master_address, port, 0, world_size, name)
+        for join in joins:
+            join.result()
+    return BroadcastGroup(group, name)
+
+
+def send_buckets_by_broadcast(
+    buckets: Iterable[Bucket], engines: list, group: BroadcastGroup | None, weight_version: str
+) -> None:
+    """Disaggregated update: every rank consumes every bucket; rank 0 (holding `group`) sends them.
+
+    Args:
+        buckets: HF-named tensor buckets (every rank iterates them to the end).
+        engines: Engine handles (used on rank 0 only).
+        group: From `connect_broadcast_group` on rank 0; None on the other ranks.
+        weight_version: Label the engines report afterwards.
+    """
+    for bucket in buckets:
+        if group is None:
+            continue
+        with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+            receives = [
+                pool.submit(
+                    call_engine,
+                    engine,
+                    "update_weights_from_distributed",
+                    names=[name for name, _ in bucket],
+                    dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in bucket],
+                    shapes=[list(tensor.shape) for _, tensor in bucket],
+                    group_name=group.name,
+                    flush_cache=False,
+                    weight_version=weight_version,
+                )
+                for engine in engines
+            ]
+            for _, tensor in bucket:
+                dist.broadcast(tensor, src=0, group=group.group)
+            for receive in receives:
+                receive.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# The actors' protocol around either transport
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineLinks:
+    """What a training rank keeps to update its engines.
+
+    Attributes:
+        engines: Engine handles.
+        colocate: `--colocate`: shared-memory tensors; else broadcast from rank 0.
+        gpus_per_engine: `--rollout-num-gpus-per-engine`.
+        span_groups: Colocated: from `engine_span_groups` (every rank); else empty.
+        broadcast_group: Disaggregated: from `connect_broadcast_group` on rank 0; else None.
+    """
+
+    engines: list
+    colocate: bool
+    gpus_per_engine: int
+    span_groups: list
+    broadcast_group: BroadcastGroup | None
+
+
+def connect_engines(args: Namespace, engines: list, engine_urls: list[str], rank: int, world_size: int) -> EngineLinks:
+    """Prepare this rank for weight updates (a collective when colocated: every rank calls it).
+
+    Args:
+        args: Needs `colocate`, `rollout_num_gpus_per_engine`, `rollout_backend`.
+        engines: Engine handles (RolloutEngine Ray actors, or clients with the same methods).
+        engine_urls: Their base URLs: engines all on localhost reach rank 0 at 127.0.0.1, else at this node's IP.
+        rank: This training rank.
+        world_size: Number of training ranks.
+
+    Returns:
+        The links to pass to `update_engine_weights`.
+    """
+    gpus_per_engine = args.rollout_num_gpus_per_engine
+    links = EngineLinks(list(engines), bool(args.colocate), gpus_per_engine, [], None)
+    if links.colocate:
+        links.span_groups = engine_span_groups(world_size, gpus_per_engine)
+    elif rank == 0 and links.engines:
+        local = all(urlparse(url).hostname in ("127.0.0.1", "localhost") for url in engine_urls)
+        address = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        kind = getattr(args, "rollout_backend", "sglang")
+        links.broadcast_group = connect_broadcast_group(links.engines, gpus_per_engine, address, kind)
+    return links
+
+
+def update_engine_weights(links: EngineLinks, buckets: Iterable[Bucket], rank: int, version: str) -> None:
+    """Pause and flush the engines, send every bucket, resume them (every training rank calls this).
+
+    Args:
+        links: From `connect_engines`.
+        buckets: HF-named tensor buckets of the current weights (lazy: produced while sending).
+        rank: This training rank.
+        version: The weight version the engines report afterwards.
+    """
+    if rank == 0:
+        call_engines(links.engines, "pause_generation")
+        call_engines(links.engines, "flush_cache")
+    dist.barrier()
+    if links.colocate:
+        send_buckets_as_tensors(buckets, links.engines, rank, links.gpus_per_engine, links.span_groups, version)
+    else:
+        send_buckets_by_broadcast(buckets, links.engines, links.broadcast_group, version)
+    dist.barrier()
+    if rank == 0:
+        call_engines(links.engines, "continue_generation")
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification
+# ---------------------------------------------------------------------------------------------
+
+
+def probe_tokens(vocab_size: int, length: int = 24) -> list[int]:
+    """A fixed token sequence spread over the vocabulary, for comparing trainer and engine log-probs."""
+    return [(7 * i + 3) % vocab_size for i in range(length)]
+
+
+def engine_prompt_log_probs(engine: Any, input_ids: list[int]) -> list[float]:
+    """Log-probs the engine assigns to `input_ids[1:]` given their prefixes (temperature 1, no generation)."""
+    response = call_engine(
+        engine,
+        "generate",
+        payload={
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )
+    entries = response["meta_info"]["input_token_logprobs"]
+    return [entry[0] for entry in entries[1:]]
