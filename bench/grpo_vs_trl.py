@@ -73,6 +73,7 @@ def bench_slime(model: str, data: Path, steps: int, workdir: Path) -> tuple[floa
         "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--num-rollout", str(steps),
         "--rollout-max-response-len", "32", "--rollout-temperature", "1.0",
         "--advantage-estimator", "grpo", "--lr", "1e-5",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",  # packed micro-batches, no padding
         "--train-num-threads", "1", "--cpu-engine-num-threads", "1",
         "--save", str(save_dir),
     ]  # fmt: skip
