@@ -74,6 +74,14 @@ class TrainRayActor:
                 timeout=timedelta(minutes=args.distributed_timeout_minutes),
             )
 
+    def _values_for_this_rank(self, values: Any) -> list[torch.Tensor]:
+        """The critic's values for this rank's shard: given as every rank's ObjectRefs, one ref, or the values."""
+        if isinstance(values, list) and values and isinstance(values[0], ray.ObjectRef):
+            values = values[self.rank]
+        if isinstance(values, ray.ObjectRef):
+            values = ray.get(values)
+        return [torch.as_tensor(v, dtype=torch.float32) for v in values]
+
     # ---- interface implemented by backends ----------------------------------------------
     def init(self, args, role: str, with_ref: bool = False) -> int:
         """Build model and optimizer (loading `--load` if set); return the rollout id to start from."""

@@ -62,6 +62,18 @@ class StepNormalizer:
         return float(sum(mask.sum() for mask in loss_masks)) / max(self.num_tokens, 1)
 
 
+def count_step_samples_and_tokens(step_sample_indices: list[list[int]], loss_masks: list[torch.Tensor]) -> torch.Tensor:
+    """`[num_steps, 2]` float64: each step's sample count and trainable-token count on this rank.
+
+    Sum it over the data-parallel ranks, then build each step's `StepNormalizer` from its row.
+    """
+    counts = torch.zeros(len(step_sample_indices), 2, dtype=torch.float64)
+    for step, indices in enumerate(step_sample_indices):
+        counts[step, 0] = len(indices)
+        counts[step, 1] = sum(float(loss_masks[i].sum()) for i in indices)
+    return counts
+
+
 def policy_loss_from_log_probs(
     args: Namespace, batch: dict, flat_log_probs: torch.Tensor, entropy: torch.Tensor, normalizer: StepNormalizer
 ) -> tuple[torch.Tensor, Metrics]:

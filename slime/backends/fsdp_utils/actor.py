@@ -71,7 +71,7 @@ from slime.backends.fsdp_utils.model import (
 from slime.backends.fsdp_utils.update_weight import full_parameter_buckets
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.advantages import compute_advantages_and_returns
-from slime.utils.losses import StepNormalizer, value_loss
+from slime.utils.losses import StepNormalizer, count_step_samples_and_tokens, value_loss
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import load_function
 from slime.utils.ppo_utils import compute_log_probs
@@ -294,22 +294,11 @@ class FSDPTrainRayActor(TrainRayActor):
         metrics |= self._optimize(steps, data)
         return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()}
 
-    def _values_for_this_rank(self, values: Any) -> list[torch.Tensor]:
-        if isinstance(values, list) and values and isinstance(values[0], ray.ObjectRef):
-            values = values[self.rank]
-        if isinstance(values, ray.ObjectRef):
-            values = ray.get(values)
-        return [torch.as_tensor(v, dtype=torch.float32) for v in values]
-
     def _step_normalizers(self, steps: list[list[PackedMicroBatch]], data: dict) -> list[StepNormalizer]:
         """Sample and trainable-token counts of each step over all ranks (one all-reduce)."""
-        counts = torch.zeros(len(steps), 2, dtype=torch.float64)
-        for step_index, micro_batches in enumerate(steps):
-            for micro_batch in micro_batches:
-                if micro_batch.weight:
-                    counts[step_index, 0] += len(micro_batch.sample_indices)
-                    counts[step_index, 1] += sum(float(data["loss_masks"][i].sum()) for i in micro_batch.sample_indices)
-        counts = self._all_reduce(counts)
+        # Zero-weight micro-batches are padding copies (equal forward counts across ranks): not counted.
+        step_indices = [[i for mb in micro_batches if mb.weight for i in mb.sample_indices] for micro_batches in steps]
+        counts = self._all_reduce(count_step_samples_and_tokens(step_indices, data["loss_masks"]))
         per_token = bool(getattr(self.args, "calculate_per_token_loss", False))
         return [StepNormalizer(int(samples), int(tokens), per_token) for samples, tokens in counts.tolist()]
 

@@ -57,7 +57,7 @@ from slime.backends.megatron_utils.parallel import named_weights
 from slime.backends.megatron_utils.update_weight import hf_weight_buckets
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.advantages import compute_advantages_and_returns
-from slime.utils.losses import StepNormalizer
+from slime.utils.losses import StepNormalizer, count_step_samples_and_tokens
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import load_function
 from slime.utils.weight_sync import (
@@ -404,20 +404,10 @@ class MegatronTrainRayActor(TrainRayActor):
         metrics |= self._optimize(rollout_id, steps, data)
         return {f"train/{name}": value for name, value in metrics.items()}
 
-    def _values_for_this_rank(self, values: Any) -> list[torch.Tensor]:
-        if isinstance(values, list) and values and isinstance(values[0], ray.ObjectRef):
-            values = values[self.rank]
-        if isinstance(values, ray.ObjectRef):
-            values = ray.get(values)
-        return [torch.as_tensor(v, dtype=torch.float32) for v in values]
-
     def _step_normalizers(self, steps: list[list[PackedMicroBatch]], data: dict) -> list[StepNormalizer]:
         """Sample and trainable-token counts of each step over the data-parallel group."""
-        counts = torch.zeros(len(steps), 2, dtype=torch.float64)
-        for step_index, micro_batches in enumerate(steps):
-            for micro_batch in micro_batches:
-                counts[step_index, 0] += len(micro_batch.sample_indices)
-                counts[step_index, 1] += sum(float(data["loss_masks"][i].sum()) for i in micro_batch.sample_indices)
+        step_indices = [[i for mb in micro_batches for i in mb.sample_indices] for micro_batches in steps]
+        counts = count_step_samples_and_tokens(step_indices, data["loss_masks"])
         counts = self._all_reduce(counts, self.mpu.get_data_parallel_group())
         per_token = bool(getattr(self.args, "calculate_per_token_loss", False))
         return [StepNormalizer(int(samples), int(tokens), per_token) for samples, tokens in counts.tolist()]
