@@ -334,3 +334,26 @@ def engine_prompt_log_probs(engine: Any, input_ids: list[int]) -> list[float]:
     )
     entries = response["meta_info"]["input_token_logprobs"]
     return [entry[0] for entry in entries[1:]]
+
+
+# Largest |trainer - engine| probe log-prob gap accepted after a weight update: fp32 CPU engines agree
+# to ~1e-5; bf16 GPU engines differ by up to ~0.1 even with identical weights.
+WEIGHT_CHECK_TOLERANCE = 1e-3 if not torch.cuda.is_available() else 0.1
+
+
+def check_engines_match(engines: list, probe: list[int], trainer_log_probs: torch.Tensor, weight_version: Any) -> float:
+    """Largest gap between each engine's log-probs of `probe` and the trainer's.
+
+    Raises:
+        RuntimeError: when the gap exceeds `WEIGHT_CHECK_TOLERANCE`, naming the update.
+    """
+    gap = 0.0
+    for engine in engines:
+        engine_log_probs = torch.tensor(engine_prompt_log_probs(engine, probe), dtype=torch.float32)
+        gap = max(gap, float((engine_log_probs - trainer_log_probs).abs().max()))
+    if gap > WEIGHT_CHECK_TOLERANCE:
+        raise RuntimeError(
+            f"engine weights differ from the trainer's after update {weight_version}: probe log-probs "
+            f"differ by up to {gap:.3g} (tolerance {WEIGHT_CHECK_TOLERANCE}); check parameter names and dtypes"
+        )
+    return gap

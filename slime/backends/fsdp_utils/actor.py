@@ -77,17 +77,13 @@ from slime.utils.misc import load_function
 from slime.utils.ppo_utils import compute_log_probs
 from slime.utils.weight_sync import (
     EngineLinks,
+    check_engines_match,
     connect_engines,
-    engine_prompt_log_probs,
     probe_tokens,
     update_engine_weights,
 )
 
 logger = logging.getLogger(__name__)
-
-# Largest |trainer - engine| log-prob gap `check_weights_equal` accepts: float32 engines on CPU agree
-# to ~1e-5; bf16 GPU engines differ by up to ~0.1 even with identical weights.
-WEIGHT_CHECK_TOLERANCE = 1e-3 if not torch.cuda.is_available() else 0.1
 
 
 class FSDPTrainRayActor(TrainRayActor):
@@ -435,7 +431,7 @@ class FSDPTrainRayActor(TrainRayActor):
             {"max_abs_diff": largest gap over engines and tokens} (rank 0; 0.0 elsewhere).
 
         Raises:
-            RuntimeError: on rank 0 when the gap exceeds `WEIGHT_CHECK_TOLERANCE`.
+            RuntimeError: on rank 0 when the gap exceeds `weight_sync.WEIGHT_CHECK_TOLERANCE`.
         """
         vocab_size = self.model.get_input_embeddings().weight.shape[0]
         probe = probe_tokens(vocab_size)
@@ -446,15 +442,8 @@ class FSDPTrainRayActor(TrainRayActor):
         trainer = self._forward_per_sample(micro_batches, 1, "log_probs", temperature=1.0)[0]
         if self.rank != 0:
             return {"max_abs_diff": 0.0}
-        gap = 0.0
-        for engine in self.engine_links.engines if self.engine_links else []:
-            engine_lp = torch.tensor(engine_prompt_log_probs(engine, probe), dtype=torch.float32)
-            gap = max(gap, float((engine_lp - trainer).abs().max()))
-        if gap > WEIGHT_CHECK_TOLERANCE:
-            raise RuntimeError(
-                f"engine weights differ from the trainer's after update {self.weight_version}: probe log-probs "
-                f"differ by up to {gap:.3g} (tolerance {WEIGHT_CHECK_TOLERANCE}); check parameter names and dtypes"
-            )
+        engines = self.engine_links.engines if self.engine_links else []
+        gap = check_engines_match(engines, probe, trainer, self.weight_version)
         logger.info("weight check passed: max probe log-prob gap %.3g", gap)
         return {"max_abs_diff": gap}
 

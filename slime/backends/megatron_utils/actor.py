@@ -62,17 +62,13 @@ from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import load_function
 from slime.utils.weight_sync import (
     EngineLinks,
+    check_engines_match,
     connect_engines,
-    engine_prompt_log_probs,
     probe_tokens,
     update_engine_weights,
 )
 
 logger = logging.getLogger(__name__)
-
-# Largest |trainer - engine| probe log-prob gap `check_weights_equal` accepts (fp32 CPU engines agree
-# to ~1e-5; bf16 GPU engines differ by up to ~0.1 with identical weights).
-WEIGHT_CHECK_TOLERANCE = 1e-3 if not torch.cuda.is_available() else 0.1
 
 
 def megatron_model_args(args: Namespace) -> Namespace:
@@ -563,22 +559,15 @@ class MegatronTrainRayActor(TrainRayActor):
             {"max_abs_diff": largest gap over engines and tokens} (rank 0; 0.0 elsewhere).
 
         Raises:
-            RuntimeError: on rank 0 when the gap exceeds `WEIGHT_CHECK_TOLERANCE`.
+            RuntimeError: on rank 0 when the gap exceeds `weight_sync.WEIGHT_CHECK_TOLERANCE`.
         """
         probe = probe_tokens(self.vocab_size)
         steps = build_step_micro_batches([probe], [len(probe) - 1], 1, 1, None, self.tp_size, self.device)
         trainer = self._forward_log_probs(steps, 1, temperature=1.0)[0]
         if self.rank != 0:
             return {"max_abs_diff": 0.0}
-        gap = 0.0
-        for engine in self.engine_links.engines if self.engine_links else []:
-            engine_lp = torch.tensor(engine_prompt_log_probs(engine, probe), dtype=torch.float32)
-            gap = max(gap, float((engine_lp - trainer).abs().max()))
-        if gap > WEIGHT_CHECK_TOLERANCE:
-            raise RuntimeError(
-                f"engine weights differ from the trainer's after update {self.weight_version}: probe log-probs "
-                f"differ by up to {gap:.3g} (tolerance {WEIGHT_CHECK_TOLERANCE}); check parameter names and dtypes"
-            )
+        engines = self.engine_links.engines if self.engine_links else []
+        gap = check_engines_match(engines, probe, trainer, self.weight_version)
         return {"max_abs_diff": gap}
 
     # ---- offload -------------------------------------------------------------------------------
