@@ -19,7 +19,6 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -27,6 +26,7 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.async_utils import run
 from slime.utils.data import Dataset, load_dataset
+from slime.utils.http_utils import HTTPRequestError, async_post_json
 from slime.utils.misc import load_function, maybe_await
 from slime.utils.types import Sample, Status
 
@@ -34,14 +34,13 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutState:
-    """What one process keeps between rollouts: tokenizer, HTTP session, concurrency cap, eval sets."""
+    """What one process keeps between rollouts: tokenizer, concurrency cap, user hooks, eval sets."""
 
     def __init__(self, args):
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         num_engines = max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
         self.max_concurrency = args.sglang_server_concurrency * num_engines
         self.semaphore: asyncio.Semaphore | None = None
-        self.session: aiohttp.ClientSession | None = None
         self.custom_generate = (
             load_function(args.custom_generate_function_path) if args.custom_generate_function_path else None
         )
@@ -50,13 +49,10 @@ class RolloutState:
         )
         self.eval_datasets: dict[str, Dataset] = {}
 
-    async def ensure_started(self, args) -> None:
-        # Created lazily on the shared loop: aiohttp sessions and semaphores belong to one loop.
-        if self.session is None:
+    async def ensure_started(self) -> None:
+        # Created lazily on the shared loop: a semaphore belongs to one loop.
+        if self.semaphore is None:
             self.semaphore = asyncio.Semaphore(self.max_concurrency)
-            timeout = aiohttp.ClientTimeout(total=args.sglang_router_request_timeout_secs)
-            connector = aiohttp.TCPConnector(limit=self.max_concurrency)
-            self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 
 
 _STATE: RolloutState | None = None
@@ -116,11 +112,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
 
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
-    async with state.session.post(url, json=payload) as response:
-        if response.status != 200:
-            body = await response.text()
-            raise RuntimeError(f"router {url} answered HTTP {response.status} for sample {sample.index}: {body[:500]}")
-        output = await response.json()
+    output = await async_post_json(url, payload, timeout=args.sglang_router_request_timeout_secs)
 
     meta = output["meta_info"]
     token_logprobs = meta.get("output_token_logprobs") or []
@@ -160,12 +152,13 @@ async def generate_and_rm_group(
     return samples
 
 
-async def abort_engines(args, state: RolloutState) -> None:
+async def abort_engines(args) -> None:
     """Ask every engine to abort all its requests (the router does not forward /abort_request)."""
     for url in getattr(args, "rollout_engine_urls", []):
-        async with state.session.post(f"{url}/abort_request", json={"abort_all": True}) as response:
-            if response.status != 200:
-                logger.warning("abort_request on %s answered HTTP %d", url, response.status)
+        try:
+            await async_post_json(f"{url}/abort_request", {"abort_all": True}, max_retries=0)
+        except (HTTPRequestError, ConnectionError) as e:
+            logger.warning("abort_request on %s failed: %s", url, e)
 
 
 def _fresh_copy(sample: Sample) -> Sample:
@@ -200,7 +193,7 @@ def _return_to_data_source(args, groups: list[list[Sample]], data_source) -> int
 
 async def _generate_train_rollout(args, rollout_id: int, data_source) -> RolloutFnTrainOutput:
     state = get_state(args)
-    await state.ensure_started(args)
+    await state.ensure_started()
     target = args.rollout_batch_size
     fetch_size = args.over_sampling_batch_size or target
     sampling_params = sampling_params_from_args(args)
@@ -235,7 +228,7 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
     finally:
         progress.close()
         if pending:
-            await abort_engines(args, state)
+            await abort_engines(args)
             for result in await asyncio.gather(*pending, return_exceptions=True):
                 if isinstance(result, list):
                     unused.append(result)
@@ -268,7 +261,7 @@ def _eval_dataset(args, state: RolloutState, name: str, path: str) -> Dataset:
 
 async def _generate_eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
     state = get_state(args)
-    await state.ensure_started(args)
+    await state.ensure_started()
     sampling_params = sampling_params_from_args(args, evaluation=True)
     data: dict[str, dict[str, Any]] = {}
     for name, path in args.eval_prompt_data or []:
