@@ -17,12 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-import torch
-
-from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_hf_checkpoint
-from slime.backends.megatron_utils.config import resolve_family
-from slime.backends.megatron_utils.model import build_model
-from slime.backends.megatron_utils.standalone import init_distributed, megatron_flags, model_args, shutdown
+from slime.backends.megatron_utils.standalone import export_checkpoint_to_hf, megatron_flags, model_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,15 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     known, rest = parser.parse_known_args(argv)
 
     args = model_args(known.origin_hf_dir, megatron_flags(rest))
-    family = resolve_family(known.model_name or args.model_name)
-    init_distributed(args)
-    model = build_model(args, wrap_with_ddp=False)
-    iteration, _ = load_checkpoint(known.input_dir, model)
-    dtype = getattr(torch, known.dtype) if known.dtype else None
-    output = save_hf_checkpoint(model, known.output_dir, known.origin_hf_dir, family, dtype=dtype, progress=True)
-    if output is not None:
-        print(f"iteration {iteration} -> {output}")
-    shutdown()
+    export_checkpoint_to_hf(args, known.input_dir, known.output_dir, known.origin_hf_dir, known.model_name, known.dtype)
 
 
 if __name__ == "__main__":

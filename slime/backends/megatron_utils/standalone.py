@@ -14,7 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron_utils.config import config_from_hf, load_hf_config
+from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_hf_checkpoint
+from slime.backends.megatron_utils.config import config_from_hf, load_hf_config, resolve_family
+from slime.backends.megatron_utils.model import build_model
 from slime.utils.arguments import _extract_unknown_flags
 
 logger = logging.getLogger(__name__)
@@ -94,3 +96,34 @@ def shutdown() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def export_checkpoint_to_hf(
+    args: argparse.Namespace,
+    checkpoint: str,
+    output_dir: str,
+    origin_hf_dir: str,
+    model_name: str | None = None,
+    dtype: str | None = None,
+    iteration: int | None = None,
+) -> None:
+    """Load a Megatron checkpoint into a model built from `args` and write it as an HF folder (tools' core).
+
+    Args:
+        args: Model flags (from `model_args`).
+        checkpoint: Checkpoint root or `iter_XXXXXXX` directory.
+        output_dir: HF folder to write.
+        origin_hf_dir: HF folder whose config and tokenizer files are copied.
+        model_name: Family override (else `args.model_name`).
+        dtype: torch dtype name for the saved weights (else the model's).
+        iteration: Which iteration under a root (else the latest).
+    """
+    family = resolve_family(model_name or args.model_name)
+    init_distributed(args)
+    model = build_model(args, wrap_with_ddp=False)
+    loaded_iteration, _ = load_checkpoint(checkpoint, model, iteration=iteration)
+    weights_dtype = getattr(torch, dtype) if dtype else None
+    output = save_hf_checkpoint(model, output_dir, origin_hf_dir, family, dtype=weights_dtype, progress=True)
+    if output is not None:
+        print(f"iteration {loaded_iteration} -> {output}")
+    shutdown()
