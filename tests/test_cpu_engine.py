@@ -7,6 +7,7 @@ with transformers and run one full forward per token, no KV cache, no batching.
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import subprocess
@@ -320,7 +321,8 @@ def test_min_new_tokens_masks_stop_tokens_until_reached(server, ref_model):
 
 
 def test_concurrent_requests_are_batched_and_equal_their_solo_results(server):
-    prompts = [PROMPT_IDS[: 1 + i % 5] + [10 + i] * (i % 3) for i in range(8)]
+    # pairs of identical prompts (prefilled once per pair when they start together)
+    prompts = [PROMPT_IDS[: 1 + (i // 2) % 5] + [10 + i // 2] * ((i // 2) % 3) for i in range(8)]
     lengths = [6 + 3 * (i % 4) for i in range(8)]
     solo = [greedy(server, p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
 
@@ -629,8 +631,21 @@ def test_update_weights_from_distributed_over_gloo(server, ref_model, tiny_model
         for name in names:
             dist.broadcast(state[name].contiguous(), src=0, group=group)
         response = received.result(timeout=60)
+        # A rejected update still takes every broadcast (no hang) and changes nothing; a bfloat16 tensor
+        # goes through a buffer and is cast into the float32 parameter.
+        bad = {names[0]: torch.zeros_like(state[names[0]]), "no.such.weight": torch.zeros(3)}
+        rejected = pool.submit(
+            requests.post,
+            f"{server}/update_weights_from_distributed",
+            json={"names": list(bad), "dtypes": ["bfloat16"] * 2, "shapes": [list(t.shape) for t in bad.values()],
+                  "group_name": group_name},
+        )  # fmt: skip
+        for tensor in bad.values():
+            dist.broadcast(tensor.to(torch.bfloat16), src=0, group=group)
+        rejected = rejected.result(timeout=60)
         dist.destroy_process_group(group)
     assert response.status_code == 200, response.text
+    assert rejected.status_code == 400 and "no.such.weight" in rejected.json()["message"]
     after = greedy(server, PROMPT_IDS)
     assert after["output_ids"] == expected and after["meta_info"]["weight_version"] == "step-7"
     assert requests.post(f"{server}/destroy_weights_update_group", json={"group_name": group_name}).json()["success"]
@@ -730,3 +745,26 @@ def test_launch_server_in_process(tiny_model_dir):
     assert not handle.thread.is_alive()
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{handle.url}/health", timeout=2)
+
+
+def test_received_weights_land_in_the_parameters_without_a_copy(ref_model):
+    from slime.backends.cpu_engine import weights
+
+    model = copy.deepcopy(ref_model)
+    targets = weights.weight_targets(model)
+    name_fp32, name_bf16 = list(targets)[:2]
+    storage = targets[name_fp32].data_ptr()
+    sent = {name_fp32: torch.randn(targets[name_fp32].shape), name_bf16: torch.randn(targets[name_bf16].shape)}
+    queue = [sent[name_fp32], sent[name_bf16].to(torch.bfloat16)]
+    seen = []
+
+    def receive(buffer):
+        seen.append(buffer.data_ptr())
+        buffer.copy_(queue.pop(0))
+
+    layout = [(name_fp32, torch.float32, tuple(sent[name_fp32].shape)),
+              (name_bf16, torch.bfloat16, tuple(sent[name_bf16].shape))]  # fmt: skip
+    weights.receive_named_tensors(targets, layout, receive)
+    assert seen[0] == storage  # received straight into the parameter
+    assert torch.equal(targets[name_fp32], sent[name_fp32])
+    assert torch.equal(targets[name_bf16], sent[name_bf16].to(torch.bfloat16).float())

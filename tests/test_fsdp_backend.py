@@ -12,7 +12,11 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
-from slime.backends.fsdp_utils.data_packing import pack_micro_batch
+from slime.backends.fsdp_utils.data_packing import (
+    pack_micro_batch,
+    pack_shared_prompt_rows,
+    plan_shared_prompt_micro_batches,
+)
 from slime.backends.fsdp_utils.model import (
     gather_full_state_dict,
     load_model,
@@ -66,13 +70,18 @@ def make_args(model_dir, *extra: str, num_samples: int = 8, num_steps: int = 1):
     )
 
 
-def make_rollout(num_samples: int = 8, seed: int = 0, num_steps: int = 1, mask_holes: bool = False) -> dict:
-    """A rollout shard with unequal prompt/response lengths, random tokens and rewards."""
+def make_rollout(
+    num_samples: int = 8, seed: int = 0, num_steps: int = 1, mask_holes: bool = False, group_size: int = 2
+) -> dict:
+    """A rollout shard with unequal prompt/response lengths, random tokens and rewards; consecutive
+    samples come in groups of `group_size` with the same prompt (as GRPO's samples per prompt)."""
     rng = random.Random(seed)
     tokens, response_lengths, loss_masks = [], [], []
-    for _ in range(num_samples):
-        prompt, response = rng.randint(2, 7), rng.randint(2, 11)
-        tokens.append([rng.randrange(VOCAB) for _ in range(prompt + response)])
+    for i in range(num_samples):
+        if i % group_size == 0:
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 7))]
+        response = rng.randint(2, 11)
+        tokens.append(prompt + [rng.randrange(VOCAB) for _ in range(response)])
         response_lengths.append(response)
         mask = [1] * response
         if mask_holes:
@@ -112,15 +121,26 @@ def plain_response_log_probs(model, tokens: list[int], response_length: int, tem
 # ---------------------------------------------------------------------------------------------
 
 
-def test_packed_logits_equal_unpacked(tiny_model_dir):
+@pytest.mark.parametrize("layout", ["packed_row", "shared_prompt_sdpa", "shared_prompt_eager"])
+def test_packed_logits_equal_unpacked(tiny_model_dir, layout):
     model = load_model(str(tiny_model_dir)).eval()
-    data = make_rollout(6, seed=1)
-    packed = pack_micro_batch(data["tokens"], data["response_lengths"], list(range(6)))
+    data = make_rollout(7, seed=1, group_size=3)  # prompt groups of 3, 3 and 1 samples
+    if layout == "packed_row":
+        packed = pack_micro_batch(data["tokens"], data["response_lengths"], list(range(7)))
+    else:
+        if layout == "shared_prompt_eager":
+            model.set_attn_implementation("eager")
+        packed = pack_shared_prompt_rows(
+            data["tokens"], data["response_lengths"], [6, 0, 3, 1, 4, 2, 5], additive_mask=layout.endswith("eager")
+        )
+        assert packed.input_ids.shape[0] == 3  # one row per distinct prompt
+        assert packed.sample_indices == [6, 0, 1, 2, 3, 4, 5]  # grouped by prompt, first appearance first
     with torch.no_grad():
         packed_logits = response_logits(model, packed)
     row = 0
     worst = 0.0
-    for tokens, response in zip(data["tokens"], data["response_lengths"]):
+    ordered = [(data["tokens"][i], data["response_lengths"][i]) for i in packed.sample_indices]
+    for tokens, response in ordered:
         with torch.no_grad():
             single = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
         expected = single[len(tokens) - response - 1 : len(tokens) - 1]
@@ -128,9 +148,7 @@ def test_packed_logits_equal_unpacked(tiny_model_dir):
         row += response
     assert row == packed_logits.shape[0]
     assert worst < 1e-5, worst
-    assert packed.target_tokens.tolist() == [
-        t for tok, r in zip(data["tokens"], data["response_lengths"]) for t in tok[-r:]
-    ]
+    assert packed.target_tokens.tolist() == [t for tok, r in ordered for t in tok[-r:]]
 
 
 def test_dynamic_grouping_respects_token_budget():
@@ -140,6 +158,27 @@ def test_dynamic_grouping_respects_token_budget():
     assert all(sum(lengths[i] for i in g) <= 12 for g in groups)
     assert len(groups) == 4  # 38 tokens need at least 4 bins of 12; first-fit decreasing reaches it
     assert group_samples(list(range(5)), [1] * 5, micro_batch_size=2) == [[0, 1], [2, 3], [4]]
+
+
+def test_shared_prompt_plan_keeps_groups_together_within_budget():
+    data = make_rollout(16, seed=7, group_size=4)
+    tokens, lengths = data["tokens"], data["response_lengths"]
+    prompt_of = [tuple(t[: len(t) - r]) for t, r in zip(tokens, lengths)]
+    group_cost = max(len(prompt_of[i]) + sum(lengths[i : i + 4]) for i in range(0, 16, 4))
+    budget = group_cost + 5
+    (step,) = plan_shared_prompt_micro_batches(tokens, lengths, num_steps=1, max_tokens=budget)
+    assert sorted(i for mb in step for i in mb) == list(range(16))
+    for micro_batch in step:
+        prompts = {prompt_of[i] for i in micro_batch}
+        assert sum(map(len, prompts)) + sum(lengths[i] for i in micro_batch) <= budget  # a prompt counts once
+        for prompt in prompts:  # every group fits the budget, so none is split
+            assert sum(p == prompt for p in prompt_of) == sum(prompt_of[i] == prompt for i in micro_batch)
+    # a budget below a group's cost splits the group, each part paying for its prompt
+    (small,) = plan_shared_prompt_micro_batches(tokens, lengths, num_steps=1, max_tokens=20)
+    for micro_batch in small:
+        prompts = {prompt_of[i] for i in micro_batch}
+        if len(micro_batch) > 1:
+            assert sum(map(len, prompts)) + sum(lengths[i] for i in micro_batch) <= 20
 
 
 def test_old_log_probs_equal_plain_forward(tiny_model_dir):
@@ -168,6 +207,29 @@ def test_kl_is_exactly_zero_when_reference_equals_actor(tiny_model_dir):
     second = actor.train(102, make_rollout(8, seed=3))
     assert second["train/kl_loss"] != 0.0
     assert not all(torch.equal(a, b) for a, b in zip(CAPTURED[102]["log_probs"], CAPTURED[102]["ref_log_probs"]))
+
+
+def noop_hook(args, rollout_id, data):
+    """A --rollout-data-postprocess-path hook that changes nothing (forces the separate old-log-prob pass)."""
+
+
+def test_old_log_probs_from_training_forward_equal_separate_pass(tiny_model_dir):
+    """One step per rollout: taking the old log-probs from the training forward changes no number."""
+    data = make_rollout(8, seed=6)
+    rollout_log_probs = [torch.full((r,), -1.0) for r in data["response_lengths"]]
+    results = []
+    for extra in ([], ["--rollout-data-postprocess-path", f"{__name__}.noop_hook"]):
+        actor = new_actor(make_args(tiny_model_dir, "--lr", "1e-3", "--use-dynamic-batch-size",
+                                    "--max-tokens-per-gpu", "40", *extra))  # fmt: skip
+        assert actor._old_log_probs_from_training_forward(actor._prepare(data)) == (not extra)
+        metrics = actor.train(0, dict(data, rollout_log_probs=rollout_log_probs))
+        results.append((metrics, gather_full_state_dict(actor.model)))
+    (fused, fused_weights), (separate, separate_weights) = results
+    assert fused["train/ppo_kl"] == separate["train/ppo_kl"] == 0.0
+    for name in ("train/loss", "train/pg_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff",
+                 "train/train_rollout_logprob_max_abs_diff"):  # fmt: skip
+        assert fused[name] == separate[name], name
+    assert all(torch.equal(fused_weights[name], separate_weights[name]) for name in fused_weights)
 
 
 # ---------------------------------------------------------------------------------------------

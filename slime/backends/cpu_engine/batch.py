@@ -65,11 +65,16 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 def prefill(model, requests: list[GenerationRequest], pad_id: int) -> tuple[RunningBatch, torch.Tensor]:
     """Run the prompts of `requests` through the model in one left-padded forward.
 
+    Identical prompts (GRPO's n samples of one prompt arrive together) are computed once and
+    their cache rows copied, so prefill costs one pass per distinct prompt.
+
     Returns:
         (batch, logits): `batch.last_tokens` is still unset (zeros) until the caller samples from
         `logits`, the (rows, vocab) next-token logits of every prompt.
     """
-    ids, mask = left_pad([r.input_ids for r in requests], pad_id)
+    distinct: dict[tuple[int, ...], int] = {}
+    source_rows = torch.tensor([distinct.setdefault(tuple(r.input_ids), len(distinct)) for r in requests])
+    ids, mask = left_pad([list(prompt) for prompt in distinct], pad_id)
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     # The model fills `cache` in place.
@@ -81,6 +86,10 @@ def prefill(model, requests: list[GenerationRequest], pad_id: int) -> tuple[Runn
         logits_to_keep=1,
         **{_cache_argument(type(model)): cache},
     )
+    logits = out.logits[:, -1, :]
+    if len(distinct) < len(requests):
+        cache.batch_select_indices(source_rows)
+        mask, logits = mask[source_rows], logits[source_rows]
     batch = RunningBatch(
         requests=list(requests),
         cache=cache,
@@ -88,7 +97,7 @@ def prefill(model, requests: list[GenerationRequest], pad_id: int) -> tuple[Runn
         next_positions=mask.sum(dim=-1),
         last_tokens=torch.zeros(len(requests), dtype=torch.long),
     )
-    return batch, out.logits[:, -1, :]
+    return batch, logits
 
 
 @torch.no_grad()

@@ -214,6 +214,26 @@ class CpuEngine:
 
         return self.call(run)
 
+    def receive_weights(
+        self,
+        layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        receive: Callable[[torch.Tensor], None],
+        weight_version: str | None = None,
+    ) -> concurrent.futures.Future[str]:
+        """Receive (name, dtype, shape) tensors straight into the model between two steps (a broadcast's
+        `receive(buffer)` per tensor); the future holds the new version."""
+
+        def run() -> str:
+            if self.released:  # drain the sender's tensors before refusing, or its broadcasts hang
+                for _, dtype, shape in layout:
+                    receive(torch.empty(shape, dtype=dtype))
+            self._require_weights("update weights")
+            weights.receive_named_tensors(self._targets, layout, receive)
+            self._weights_source = None
+            return self._bump_version(weight_version)
+
+        return self.call(run)
+
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> concurrent.futures.Future:
         """Load every safetensors tensor of a HF folder into the model; the future holds the new version."""
 

@@ -472,18 +472,13 @@ async def update_weights_from_distributed(request: web.Request) -> dict:
     torch_dtypes = [weights.parse_dtype(d) for d in dtypes]
     version = _before_update(engine, body)
 
-    def receive() -> list[tuple[str, torch.Tensor]]:
-        received = []
-        for name, dtype, shape in zip(names, torch_dtypes, shapes):
-            tensor = torch.empty(shape, dtype=dtype)
-            dist.broadcast(tensor, src=0, group=group)
-            received.append((name, tensor))
-        return received
+    def receive(buffer: torch.Tensor) -> None:
+        dist.broadcast(buffer, src=0, group=group)
 
-    # Receive every tensor even if some name is wrong, so the trainer's broadcasts never hang.
-    named_tensors = await asyncio.to_thread(receive)
-    new_version = await asyncio.wrap_future(engine.update_weights(named_tensors, version))
-    return {"message": f"updated {len(named_tensors)} tensors", "weight_version": new_version}
+    # Received on the engine's worker thread between steps, straight into the parameters.
+    layout = [(name, dtype, tuple(shape)) for name, dtype, shape in zip(names, torch_dtypes, shapes)]
+    new_version = await asyncio.wrap_future(engine.receive_weights(layout, receive, version))
+    return {"message": f"updated {len(names)} tensors", "weight_version": new_version}
 
 
 @_control

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,6 +72,37 @@ def copy_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tup
     check_names_and_shapes(targets, {name: tuple(tensor.shape) for name, tensor in named_tensors})
     for name, tensor in named_tensors:
         targets[name].copy_(tensor)
+
+
+@torch.no_grad()
+def receive_named_tensors(
+    targets: dict[str, torch.Tensor],
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    receive: Callable[[torch.Tensor], None],
+) -> None:
+    """Fill the named parameters with tensors that `receive(buffer)` writes, one per `layout` entry, in order.
+
+    A tensor of the parameter's own dtype is received straight into the parameter, so an update
+    needs no second copy of the weights. Every tensor is received even when the update is
+    rejected (the sender's collectives would hang otherwise); then nothing is written.
+
+    Raises:
+        ValueError: naming every unknown name or wrong shape (after receiving everything).
+    """
+    try:
+        check_names_and_shapes(targets, {name: tuple(shape) for name, _, shape in layout})
+    except ValueError:
+        for _, dtype, shape in layout:
+            receive(torch.empty(shape, dtype=dtype))
+        raise
+    for name, dtype, shape in layout:
+        target = targets[name]
+        if target.dtype == dtype and target.is_contiguous():
+            receive(target)
+        else:
+            buffer = torch.empty(shape, dtype=dtype)
+            receive(buffer)
+            target.copy_(buffer)
 
 
 def safetensors_files(model_path: str | Path) -> list[Path]:

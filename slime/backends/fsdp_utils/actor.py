@@ -23,8 +23,9 @@ Driver protocol (what `RayTrainGroup` / train.py call on every rank, in this ord
 
 Per rollout the actor follows Megatron's `train_actor` order: reference log-probs (the reference
 weights are swapped into the one model and back: no second model), old log-probs with the current
-weights (skipped with `--use-rollout-logprobs`), advantages and returns, the
-`--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps.
+weights (skipped with `--use-rollout-logprobs`; with one optimizer step per rollout they come from the
+training forward itself when nothing reads them earlier: one forward pass less), advantages and
+returns, the `--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps.
 
 Log-prob passes use the same packed micro-batches as training, so at the first optimizer step the
 recomputed old log-probs, the reference log-probs (when reference == actor) and the training
@@ -114,6 +115,7 @@ class FSDPTrainRayActor(TrainRayActor):
 
         start_path = args.load if is_hf_folder(args.load) else args.hf_checkpoint
         model = load_model(start_path, role, gradient_checkpointing=getattr(args, "gradient_checkpointing", False))
+        self.attn_implementation = model.config._attn_implementation
         self.model, _ = shard_model(model, self.dp_size, bf16=getattr(args, "bf16", False))
         self.optimizer = build_optimizer(args, self.model)
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
@@ -179,6 +181,7 @@ class FSDPTrainRayActor(TrainRayActor):
             micro_batch_size=self.args.micro_batch_size,
             max_tokens=self.args.max_tokens_per_gpu if dynamic else None,
             device=self.device,
+            attn_implementation=self.attn_implementation,
         )
 
     def _batch_inputs(self, micro_batch: PackedMicroBatch, data: dict) -> dict:
@@ -257,6 +260,7 @@ class FSDPTrainRayActor(TrainRayActor):
         steps = self._micro_batches(data)
         num_samples = len(data["tokens"])
         metrics: dict[str, float] = {}
+        fuse_old_log_probs = self._old_log_probs_from_training_forward(data)
         if self.role == "critic":
             key = self._data_key(data)
             if self.cached_values is not None and self.cached_values[0] == key:
@@ -275,20 +279,42 @@ class FSDPTrainRayActor(TrainRayActor):
                 data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
             if self.args.use_rollout_logprobs:
                 data["log_probs"] = data["rollout_log_probs"]
+            elif fuse_old_log_probs:
+                data["log_probs"] = [None] * num_samples  # filled by the training forward
             else:
                 data["log_probs"] = self._forward_per_sample(steps, num_samples, "log_probs")
-                if data.get("rollout_log_probs") is not None:
-                    metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
-                        self._logprob_abs_diff(data["log_probs"], data["rollout_log_probs"], data["loss_masks"])
-                    )
             if values_refs is not None:
                 data["values"] = self._values_for_this_rank(values_refs)
-        compute_advantages_and_returns(self.args, data, device=self._collective_device())
+        if not self.args.disable_compute_advantages_and_returns:
+            compute_advantages_and_returns(self.args, data, device=self._collective_device())
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
 
-        metrics |= self._optimize(steps, data)
+        metrics |= self._optimize(steps, data, fuse_old_log_probs)
+        if self.role == "actor" and not self.args.use_rollout_logprobs and data.get("rollout_log_probs") is not None:
+            metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
+                self._logprob_abs_diff(data["log_probs"], data["rollout_log_probs"], data["loss_masks"])
+            )
         return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()}
+
+    def _old_log_probs_from_training_forward(self, data: dict) -> bool:
+        """Whether the old log-probs can come from the training forward itself instead of a separate pass.
+
+        With one optimizer step per rollout the policy that the step starts from is the "old" policy,
+        so its log-probs are the training forward's own (detached): bit-identical to a separate
+        no-grad pass over the same micro-batches, at no extra forward. Only when nothing needs them
+        before the step: no reference KL in the rewards, no custom advantage, hook or loss.
+        """
+        args = self.args
+        return (
+            self.role == "actor"
+            and data["num_steps"] == 1
+            and not args.use_rollout_logprobs
+            and self.ref_shards is None
+            and args.loss_type == "policy_loss"
+            and not getattr(args, "custom_advantage_function_path", None)
+            and not args.rollout_data_postprocess_path
+        )
 
     def _step_normalizers(self, steps: list[list[PackedMicroBatch]], data: dict) -> list[StepNormalizer]:
         """Sample and trainable-token counts of each step over all ranks (one all-reduce)."""
@@ -298,8 +324,14 @@ class FSDPTrainRayActor(TrainRayActor):
         per_token = bool(getattr(self.args, "calculate_per_token_loss", False))
         return [StepNormalizer(int(samples), int(tokens), per_token) for samples, tokens in counts.tolist()]
 
-    def _optimize(self, steps: list[list[PackedMicroBatch]], data: dict) -> dict[str, float]:
-        """Run one optimizer step per entry of `steps`; return metrics averaged over steps and reduced over ranks."""
+    def _optimize(
+        self, steps: list[list[PackedMicroBatch]], data: dict, fill_old_log_probs: bool = False
+    ) -> dict[str, float]:
+        """Run one optimizer step per entry of `steps`; return metrics averaged over steps and reduced over ranks.
+
+        With `fill_old_log_probs` (one step, see `_old_log_probs_from_training_forward`) each micro-batch's
+        old log-probs are its own forward's, detached, and are stored into `data["log_probs"]`.
+        """
         normalizers = self._step_normalizers(steps, data)
         if self.role == "critic":
             loss_function = value_loss
@@ -316,6 +348,13 @@ class FSDPTrainRayActor(TrainRayActor):
                     output = response_values(self.model, micro_batch)
                 else:
                     output = response_logits(self.model, micro_batch, self.args.rollout_temperature)
+                if fill_old_log_probs:
+                    with torch.no_grad():
+                        flat = compute_log_probs(output, micro_batch.target_tokens)
+                    batch["log_probs"] = split_per_sample(flat, micro_batch.response_lengths)
+                    if micro_batch.weight:
+                        for index, log_probs in zip(micro_batch.sample_indices, batch["log_probs"]):
+                            data["log_probs"][index] = log_probs.float().cpu()
                 loss, loss_metrics = loss_function(self.args, batch, output, normalizer)
                 # FSDP averages gradients over ranks; the loss is this rank's share of the global sum.
                 (loss * (micro_batch.weight * self.dp_size)).backward()
@@ -437,7 +476,13 @@ class FSDPTrainRayActor(TrainRayActor):
         probe = probe_tokens(vocab_size)
         probe_data = {"tokens": [probe], "response_lengths": [len(probe) - 1]}
         micro_batches = build_step_micro_batches(
-            probe_data["tokens"], probe_data["response_lengths"], 1, 1, None, self.device
+            probe_data["tokens"],
+            probe_data["response_lengths"],
+            num_steps=1,
+            micro_batch_size=1,
+            max_tokens=None,
+            device=self.device,
+            attn_implementation=self.attn_implementation,
         )
         trainer = self._forward_per_sample(micro_batches, 1, "log_probs", temperature=1.0)[0]
         if self.rank != 0:

@@ -59,8 +59,12 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
         # A copy, not a view: FSDP2 attaches its pre-backward hook to the root's output.
         return self.value_head(hidden).squeeze(-1).clone()
 
@@ -207,18 +211,21 @@ def build_lr_scheduler(args: Namespace, optimizer: torch.optim.Optimizer) -> tor
 def response_logits(model: nn.Module, micro_batch: PackedMicroBatch, temperature: float = 1.0) -> torch.Tensor:
     """Logits predicting the micro-batch's response tokens, divided by the sampling temperature.
 
-    Only those positions go through the LM head (`logits_to_keep` with indices).
+    Only the positions that predict some response token (in any row) go through the LM head
+    (`logits_to_keep` with indices).
 
     Returns:
         `[M, vocab]` float32 logits, row `j` predicting `micro_batch.target_tokens[j]`.
     """
+    columns, column_index = torch.unique(micro_batch.logit_positions, return_inverse=True)
     output = model(
         input_ids=micro_batch.input_ids,
         position_ids=micro_batch.position_ids,
+        attention_mask=micro_batch.attention_mask,
         use_cache=False,
-        logits_to_keep=micro_batch.logit_positions,
+        logits_to_keep=columns,
     )
-    logits = output.logits[0].float()
+    logits = output.logits[micro_batch.logit_rows, column_index].float()
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -228,8 +235,12 @@ def response_values(model: nn.Module, micro_batch: PackedMicroBatch) -> torch.Te
     Returns:
         `[M]` float32 values.
     """
-    values = model(input_ids=micro_batch.input_ids, position_ids=micro_batch.position_ids)
-    return values[0, micro_batch.logit_positions].float()
+    values = model(
+        input_ids=micro_batch.input_ids,
+        position_ids=micro_batch.position_ids,
+        attention_mask=micro_batch.attention_mask,
+    )
+    return values[micro_batch.logit_rows, micro_batch.logit_positions].float()
 
 
 # ---------------------------------------------------------------------------------------------
