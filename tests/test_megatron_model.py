@@ -233,14 +233,7 @@ def test_model_script_builds_a_valid_transformer_config(script):
         assert config.moe_router_topk <= config.num_moe_experts
 
 
-def test_glm4_script_asks_for_a_layer_spec_with_its_extra_norms():
-    from slime.backends.megatron_utils.config import transformer_config_from_args
-    from slime.backends.megatron_utils.model import gpt_layer_spec
-    from slime.utils.arguments import parse_args
-
-    args = parse_args(model_args_of(REPO / "scripts" / "models" / "glm4-9B.sh") + MINIMAL_SLIME_FLAGS)
-    with pytest.raises(ValueError, match="--spec MODULE FUNCTION"):
-        gpt_layer_spec(args, transformer_config_from_args(args))
+# GLM-4's script and layer spec: tests/test_megatron_glm4.py.
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.stem)

@@ -117,6 +117,14 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     return theta, (None if rope_type in (None, "default") else {**scaling, "rope_type": rope_type})
 
 
+def _partial_rotary_factor(config: dict[str, Any], family: str) -> float:
+    """Share of each head that is rotated: top level in hub configs, inside `rope_parameters` in transformers 5."""
+    params = config.get("rope_parameters") or {}
+    # GLM-4 configs may omit it; transformers' Glm4Config then rotates half of each head.
+    default = 0.5 if family == "glm4" else 1.0
+    return float(config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or default)
+
+
 def config_from_hf(hf_config: Any) -> argparse.Namespace:
     """Derive the Megatron model flags (`MODEL_ARGS`) of an HF model from its config.
 
@@ -151,7 +159,7 @@ def config_from_hf(hf_config: Any) -> argparse.Namespace:
         swiglu=True,
         position_embedding_type="rope",
         rotary_base=theta,
-        rotary_percent=c.get("partial_rotary_factor", 1.0),
+        rotary_percent=_partial_rotary_factor(c, family),
         untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
         disable_bias_linear=True,
         add_qkv_bias=family in ("qwen2", "mimo") or bool(c.get("attention_bias", False)),
@@ -163,6 +171,7 @@ def config_from_hf(hf_config: Any) -> argparse.Namespace:
         raise ValueError("Llama with mlp_bias=True is not supported (Megatron biases are all-or-nothing)")
     if family == "glm4":
         flags.update(rotary_interleaved=True, post_self_attn_layernorm=True, post_mlp_layernorm=True)
+        flags.update(spec=["slime_plugins.models.glm4", "get_glm4_spec"])  # a layer spec with those norms
     if scaling is not None and scaling["rope_type"] == "llama3":
         flags.update(use_rope_scaling=True, rope_scaling_factor=scaling["factor"])
     elif scaling is not None and family != "deepseek_v3":
