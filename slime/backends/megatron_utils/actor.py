@@ -1,9 +1,11 @@
 """Megatron training rank: a megatron-core GPTModel (TP/PP/CP/EP, DDP, distributed optimizer) trained on
-rollout data and synced to the engines under HuggingFace names.
+rollout data and synced to the engines under HuggingFace names; or, with role "critic", PPO's value model.
 
 Driver protocol: the same as the FSDP actor's (see slime/backends/fsdp_utils/actor.py):
 `init` -> `connect_rollout_engines` -> `update_weights`, then per rollout `train`, `save_model` at
-`--save-interval`, `sleep`/`wake_up` around generation, `check_weights_equal` on demand.
+`--save-interval`, `sleep`/`wake_up` around generation, `check_weights_equal` on demand. The critic
+(`init(args, "critic")`) has no engines: per rollout `compute_values` (whose refs the actor's `train`
+takes as `values_refs`) then `train`, and `save_model` to `<save>/critic`.
 
 Per rollout, in Megatron's `train_actor` order: reference log-probs (the reference weights are
 copied into the one model and back, as upstream's tensor backuper does: no second model), old
@@ -14,6 +16,12 @@ same packed micro-batches through Megatron's forward-backward schedule (pipeline
 Data: the driver splits a rollout into one shard per data-parallel rank and `RayTrainGroup` gives
 every rank of a model-parallel group (TP x PP x CP) the shard of its data-parallel rank
 (`actor_group.data_parallel_rank`); data-parallel collectives run over Megatron's data-parallel group.
+
+Critic: the same backbone, loaded from the same HF weights but for the LM head, with a zero-initialized
+value head (critic.py) giving one value per position; a response token's value is the one at the
+position predicting it, as in the FSDP critic. Its `train` takes the values of `compute_values` (or
+recomputes them), computes returns by GAE with a zero reward-side KL, and minimizes the clipped value
+loss (`slime.utils.losses.value_loss`) through the same schedule. Its metrics are not prefixed.
 
 Loss scaling: the loss of a micro-batch is this data-parallel rank's share of the global-batch
 value (`loss.StepNormalizer`). Megatron's schedule divides it by the micro-batch count (and
@@ -29,9 +37,11 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 import time
 from argparse import Namespace
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -42,6 +52,7 @@ import torch.distributed as dist
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.config import args_vocab_size, config_from_hf, model_family, use_transformer_engine
 from slime.backends.megatron_utils.cp_utils import gather_zigzag, zigzag_positions, zigzag_slice
+from slime.backends.megatron_utils.critic import load_backbone_from_hf
 from slime.backends.megatron_utils.data import (
     PackedMicroBatch,
     build_step_micro_batches,
@@ -57,7 +68,7 @@ from slime.backends.megatron_utils.parallel import named_weights
 from slime.backends.megatron_utils.update_weight import hf_weight_buckets
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.advantages import compute_advantages_and_returns
-from slime.utils.losses import StepNormalizer, count_step_samples_and_tokens
+from slime.utils.losses import StepNormalizer, count_step_samples_and_tokens, value_loss
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import load_function
 from slime.utils.weight_sync import (
@@ -126,7 +137,7 @@ def build_lr_scheduler(args: Namespace, optimizer):
 
 
 class MegatronTrainRayActor(TrainRayActor):
-    """One Megatron training rank (role "actor"); see the module docstring for the protocol."""
+    """One Megatron training rank (role "actor" or "critic"); see the module docstring for the protocol."""
 
     # ---- setup ---------------------------------------------------------------------------------
     def init(self, args: Namespace, role: str, with_ref: bool = False) -> int:
@@ -134,18 +145,17 @@ class MegatronTrainRayActor(TrainRayActor):
 
         Args:
             args: Parsed slime arguments (Megatron flags included).
-            role: "actor" (a Megatron critic is not implemented: use --train-backend fsdp for PPO).
-            with_ref: Keep the reference weights on CPU for `--use-kl-loss` / `--kl-coef`.
+            role: "actor", or "critic" (PPO's value model: HF backbone plus a zero-initialized value head).
+            with_ref: Keep the reference weights on CPU for `--use-kl-loss` / `--kl-coef` (actor only).
 
         Returns:
-            The torch_dist checkpoint's rollout id + 1 when resuming from `--load`, else 0.
+            The torch_dist checkpoint's rollout id + 1 when resuming from `--load` (the critic's from
+            `<load>/critic`), else 0.
         """
-        if role != "actor":
-            raise ValueError(
-                f"the Megatron backend trains role 'actor' only, got {role!r}; PPO's critic runs with "
-                "--train-backend fsdp for now"
-            )
-        if (args.use_kl_loss or args.kl_coef != 0) and not with_ref:
+        if role not in ("actor", "critic"):
+            raise ValueError(f"unknown role {role!r}; use 'actor' or 'critic'")
+        with_ref = with_ref and role == "actor"
+        if role == "actor" and (args.use_kl_loss or args.kl_coef != 0) and not with_ref:
             raise ValueError("--use-kl-loss / --kl-coef need reference log-probs: init the actor with with_ref=True")
         self.args, self.role = args, role
         self.init_process_group(args)
@@ -169,7 +179,7 @@ class MegatronTrainRayActor(TrainRayActor):
         if self.cp_size > 1 and not self.use_packed_seq_params:
             raise ValueError("--context-parallel-size > 1 needs TransformerEngine attention (a GPU with TE)")
 
-        self.model = build_model(self.model_args)
+        self.model = build_model(self.model_args, role=role)
         for chunk in self.model:
             unwrap_model(chunk).config.variable_seq_lengths = True  # packed rows differ in length
         self.optimizer = build_optimizer(self.model_args, self.model)
@@ -181,16 +191,19 @@ class MegatronTrainRayActor(TrainRayActor):
             ref_source = args.ref_load or start_hf
             checkpoint.load_checkpoint(ref_source, self.model, iteration=self._ref_iteration(ref_source))
             self.ref_weights = self._snapshot_weights()
-        if not with_ref or args.ref_load:
+        if role == "critic":
+            load_backbone_from_hf(self.model, start_hf)  # the value head keeps its zeros
+        elif not with_ref or args.ref_load:
             checkpoint.load_checkpoint(start_hf, self.model)
         self.optimizer.reload_model_params()  # fp32 main copies of 16-bit params follow the loaded weights
 
         start_rollout_id = 0
-        if args.load and not checkpoint.is_hf_checkpoint(args.load) and checkpoint.has_checkpoint(args.load):
+        load_root = self._checkpoint_root(args.load)
+        if load_root and not checkpoint.is_hf_checkpoint(args.load) and checkpoint.has_checkpoint(load_root):
             finetune = bool(getattr(args, "finetune", False))
             load_optimizer = not finetune and not getattr(args, "no_load_optim", False)
             iteration, _ = checkpoint.load_checkpoint(
-                args.load,
+                load_root,
                 self.model,
                 self.optimizer if load_optimizer else None,
                 None if finetune else self.lr_scheduler,
@@ -198,12 +211,19 @@ class MegatronTrainRayActor(TrainRayActor):
             if not load_optimizer:
                 self.optimizer.reload_model_params()
             start_rollout_id = 0 if finetune else iteration + 1
-            logger.info("rank %d: resumed from %s rollout %d", self.rank, args.load, iteration)
+            logger.info("rank %d: resumed the %s from %s rollout %d", self.rank, role, load_root, iteration)
 
+        self.cached_values: tuple[tuple, list[torch.Tensor]] | None = None
         self.actor_backup: dict[str, torch.Tensor] | None = None
         self.engine_links: EngineLinks | None = None
         self.weight_version = 0
         return start_rollout_id
+
+    def _checkpoint_root(self, folder: str | None) -> str | None:
+        """Where this role's torch_dist checkpoints live under `--save` / `--load` (the critic: `critic/`)."""
+        if not folder:
+            return None
+        return folder if self.role == "actor" else os.path.join(folder, "critic")
 
     def _ref_iteration(self, source: str) -> int | None:
         if checkpoint.is_hf_checkpoint(source):
@@ -299,6 +319,16 @@ class MegatronTrainRayActor(TrainRayActor):
             entropy = gather_zigzag(local_entropy, bounds, self.cp_size, rank, group)[micro_batch.logit_positions]
         return ResponseOutputs(logits, log_probs, entropy if entropy_grad else entropy.detach())
 
+    def _response_values(self, micro_batch: PackedMicroBatch, output: torch.Tensor) -> torch.Tensor:
+        """Critic: `[M]` float32 values at the positions predicting the response tokens, from the last
+        stage's `[1, n, 1]` value-head output (identical on every TP rank; gathered over CP ranks)."""
+        values = output[0, :, 0].float()
+        if self.cp_size > 1:
+            bounds = micro_batch.cu_seqlens.tolist()
+            rank = self.mpu.get_context_parallel_rank()
+            values = gather_zigzag(values, bounds, self.cp_size, rank, self.mpu.get_context_parallel_group())
+        return values[micro_batch.logit_positions]
+
     def _run_schedule(self, micro_batches: list[PackedMicroBatch], loss_of_output, forward_only: bool) -> None:
         """Run micro-batches through Megatron's forward-backward schedule; `loss_of_output(mb, output)`
         returns (loss, {}) on the last pipeline stage."""
@@ -321,25 +351,41 @@ class MegatronTrainRayActor(TrainRayActor):
             forward_only=forward_only,
         )
 
-    @torch.no_grad()
     def _forward_log_probs(
         self, steps: list[list[PackedMicroBatch]], num_samples: int, temperature: float | None = None
     ) -> list[torch.Tensor]:
-        """Per-sample response log-probs on CPU (at the rollout temperature unless given), no gradient.
+        """Per-sample response log-probs on CPU (at the rollout temperature unless given), no gradient."""
+        temperature = temperature or self.args.rollout_temperature
+
+        def log_probs(micro_batch, logits):
+            return self._response_outputs(micro_batch, logits, temperature, entropy_grad=False).log_probs
+
+        return self._forward_per_sample(steps, num_samples, log_probs)
+
+    def _forward_values(self, steps: list[list[PackedMicroBatch]], num_samples: int) -> list[torch.Tensor]:
+        """Critic: per-sample values of the response tokens on CPU, no gradient."""
+        return self._forward_per_sample(steps, num_samples, self._response_values)
+
+    @torch.no_grad()
+    def _forward_per_sample(
+        self,
+        steps: list[list[PackedMicroBatch]],
+        num_samples: int,
+        per_token: Callable[[PackedMicroBatch, torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """`per_token(micro_batch, output)` (`[M]` over the response tokens) split per sample, on CPU.
 
         With pipeline parallelism the last stage computes them and broadcasts them to its pipeline group.
         """
         for chunk in self.model:
             chunk.eval()
         outputs: list = [None] * num_samples
-        temperature = temperature or self.args.rollout_temperature
 
-        def keep(micro_batch, logits):
-            result = self._response_outputs(micro_batch, logits, temperature, entropy_grad=False)
-            per_sample = split_per_sample(result.log_probs, micro_batch.response_lengths)
+        def keep(micro_batch, output):
+            per_sample = split_per_sample(per_token(micro_batch, output), micro_batch.response_lengths)
             for index, value in zip(micro_batch.sample_indices, per_sample, strict=True):
                 outputs[index] = value.float().cpu()
-            return logits.new_zeros(()), {}
+            return output.new_zeros(()), {}
 
         for micro_batches in steps:
             self._run_schedule(micro_batches, keep, forward_only=True)
@@ -361,44 +407,80 @@ class MegatronTrainRayActor(TrainRayActor):
         finally:
             self._load_weights(self.actor_backup)
 
+    def compute_values(self, rollout_data: Any) -> list[list[float]]:
+        """Critic: the value of every response token of this rank's samples (the actor's GAE input for PPO).
+
+        The values are kept for this rollout's `train`, which needs the same ones as its "old" values.
+
+        Args:
+            rollout_data: This rank's shard (dict or ObjectRef).
+
+        Returns:
+            One list of floats per sample, in shard order: the value at the position predicting each
+            response token. Equal on every rank of a model-parallel group.
+        """
+        if self.role != "critic":
+            raise RuntimeError("compute_values is the critic's: init this rank with role 'critic'")
+        data = self._prepare(rollout_data)
+        values = self._forward_values(self._micro_batches(data), len(data["tokens"]))
+        self.cached_values = (self._data_key(data), values)
+        return [value.tolist() for value in values]
+
+    @staticmethod
+    def _data_key(data: dict) -> tuple:
+        return tuple(data.get("sample_indices", [])), tuple(data["response_lengths"])
+
     # ---- training ------------------------------------------------------------------------------
     def train(self, rollout_id: int, rollout_data: Any, values_refs: Any = None) -> dict[str, float]:
-        """Train on this rank's shard of one rollout (same contract as the FSDP actor).
+        """Train on this rank's shard of one rollout (same contract as the FSDP actor and critic).
 
         Args:
             rollout_id: The rollout's id (for hooks and logs).
             rollout_data: This rank's shard (dict or ObjectRef).
-            values_refs: PPO critic values (every rank's `compute_values` refs, or this rank's values).
+            values_refs: Actor under PPO: the critic's values (every rank's `compute_values` refs, or this
+                rank's values). The critic uses its own `compute_values` of this shard (or recomputes them).
 
         Returns:
-            Metrics named `train/<name>`, averaged over the rollout's optimizer steps, equal on every rank.
+            Metrics averaged over the rollout's optimizer steps, equal on every rank: the actor's named
+            `train/<name>`, the critic's `<name>` (value_loss, value_clipfrac, grad_norm, lr, ...).
         """
         data = self._prepare(rollout_data)
         steps = self._micro_batches(data)
         num_samples = len(data["tokens"])
         metrics: dict[str, float] = {}
-        if (self.args.use_rollout_logprobs or self.args.use_tis) and data.get("rollout_log_probs") is None:
-            raise ValueError(
-                "--use-rollout-logprobs / --use-tis need the engines' log-probs, but the rollout data has no "
-                "rollout_log_probs; make the rollout function record them (return_logprob)"
-            )
-        if self.ref_weights is not None:
-            data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
-        if self.args.use_rollout_logprobs:
-            data["log_probs"] = data["rollout_log_probs"]
+        if self.role == "critic":
+            cached, self.cached_values = self.cached_values, None
+            if cached is not None and cached[0] == self._data_key(data):
+                data["values"] = cached[1]
+            else:
+                data["values"] = self._forward_values(steps, num_samples)
         else:
-            data["log_probs"] = self._forward_log_probs(steps, num_samples)
-            if data.get("rollout_log_probs") is not None:
-                metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
-                    self._logprob_abs_diff(data["log_probs"], data["rollout_log_probs"], data["loss_masks"])
+            if (self.args.use_rollout_logprobs or self.args.use_tis) and data.get("rollout_log_probs") is None:
+                raise ValueError(
+                    "--use-rollout-logprobs / --use-tis need the engines' log-probs, but the rollout data has no "
+                    "rollout_log_probs; make the rollout function record them (return_logprob)"
                 )
-        if values_refs is not None:
-            data["values"] = self._values_for_this_rank(values_refs)
-        compute_advantages_and_returns(self.args, data, self.mpu.get_data_parallel_group(), self._collective_device())
+            if self.ref_weights is not None:
+                data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
+            if self.args.use_rollout_logprobs:
+                data["log_probs"] = data["rollout_log_probs"]
+            else:
+                data["log_probs"] = self._forward_log_probs(steps, num_samples)
+                if data.get("rollout_log_probs") is not None:
+                    metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
+                        self._logprob_abs_diff(data["log_probs"], data["rollout_log_probs"], data["loss_masks"])
+                    )
+            if values_refs is not None:
+                data["values"] = self._values_for_this_rank(values_refs)
+        if not self.args.disable_compute_advantages_and_returns:
+            compute_advantages_and_returns(
+                self.args, data, self.mpu.get_data_parallel_group(), self._collective_device()
+            )
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
         metrics |= self._optimize(rollout_id, steps, data)
-        return {f"train/{name}": value for name, value in metrics.items()}
+        prefix = "train/" if self.role == "actor" else ""
+        return {f"{prefix}{name}": value for name, value in metrics.items()}
 
     def _step_normalizers(self, steps: list[list[PackedMicroBatch]], data: dict) -> list[StepNormalizer]:
         """Sample and trainable-token counts of each step over the data-parallel group."""
@@ -411,7 +493,7 @@ class MegatronTrainRayActor(TrainRayActor):
     def _optimize(self, rollout_id: int, steps: list[list[PackedMicroBatch]], data: dict) -> dict[str, float]:
         """One optimizer step per entry of `steps`; metrics averaged over steps, reduced over ranks."""
         normalizers = self._step_normalizers(steps, data)
-        loss_function = LOSS_FUNCTIONS[self.args.loss_type]
+        loss_function = value_loss if self.role == "critic" else LOSS_FUNCTIONS[self.args.loss_type]
         temperature = self.args.rollout_temperature
         entropy_grad = self.args.entropy_coef != 0
         # Each data-parallel shard's metrics are counted once: on its last pipeline stage, TP/CP rank 0.
@@ -430,8 +512,11 @@ class MegatronTrainRayActor(TrainRayActor):
             sums: dict[str, float] = defaultdict(float)
             scale = len(micro_batches) * self.dp_size
 
-            def loss_of_output(micro_batch, logits, normalizer=normalizer, sums=sums, scale=scale):
-                outputs = self._response_outputs(micro_batch, logits, temperature, entropy_grad)
+            def loss_of_output(micro_batch, output, normalizer=normalizer, sums=sums, scale=scale):
+                if self.role == "critic":
+                    outputs = self._response_values(micro_batch, output)
+                else:
+                    outputs = self._response_outputs(micro_batch, output, temperature, entropy_grad)
                 loss, loss_metrics = loss_function(
                     self.args, self._batch_inputs(micro_batch, data), outputs, normalizer
                 )
@@ -514,22 +599,24 @@ class MegatronTrainRayActor(TrainRayActor):
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_model(self, rollout_id: int) -> None:
-        """torch_dist checkpoint to `--save` (atomic, resumable) and an HF export to `--save-hf`."""
-        if self.args.save:
+        """torch_dist checkpoint to `--save` (the critic's to `<save>/critic`; atomic, resumable) and, for the
+        actor, an HF export to `--save-hf`."""
+        root = self._checkpoint_root(self.args.save)
+        if root:
             checkpoint.save_checkpoint(
-                self.args.save,
+                root,
                 rollout_id,
                 self.model,
                 None if getattr(self.args, "no_save_optim", False) else self.optimizer,
                 self.lr_scheduler,
             )
-        if getattr(self.args, "save_hf", None):
+        if self.role == "actor" and getattr(self.args, "save_hf", None):
             path = self.args.save_hf.format(rollout_id=rollout_id)
             checkpoint.save_hf_checkpoint(self.model, path, self.args.hf_checkpoint, family=self.family)
 
     # ---- weight sync ---------------------------------------------------------------------------
     def hf_weights(self) -> dict[str, torch.Tensor]:
-        """The HF-named full weights `update_weights` sends, on CPU (a collective)."""
+        """The whole model's HF-named weights `update_weights` sends, on CPU, on every rank (a collective)."""
         buckets = hf_weight_buckets(self.model, self.family, self.vocab_size, self.args.update_weight_buffer_size)
         return {name: tensor.cpu() for bucket in buckets for name, tensor in bucket}
 
@@ -541,11 +628,16 @@ class MegatronTrainRayActor(TrainRayActor):
         """Push the current weights to every engine (paused meanwhile) under the next weight version."""
         if self.engine_links is None or not self.engine_links.engines:
             raise RuntimeError("update_weights before connect_rollout_engines: the actor has no engines to update")
-        if self.mpu.get_pipeline_model_parallel_world_size() > 1:
-            raise NotImplementedError("weight sync with --pipeline-model-parallel-size > 1 is not implemented yet")
         dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else None
+        # With pipeline parallelism the stages forward their buckets (update_weight.py): to every rank
+        # when colocated (any rank may serve an engine), else only to rank 0, the broadcast sender.
         buckets = hf_weight_buckets(
-            self.model, self.family, self.vocab_size, self.args.update_weight_buffer_size, dtype
+            self.model,
+            self.family,
+            self.vocab_size,
+            self.args.update_weight_buffer_size,
+            dtype,
+            to_every_rank=self.engine_links.colocate,
         )
         update_engine_weights(self.engine_links, buckets, self.rank, str(self.weight_version + 1))
         self.weight_version += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -69,6 +69,7 @@ def load_hf_weights(
     hf_dir_or_state_dict: str | Path | Mapping[str, torch.Tensor],
     family: str | None = None,
     progress: bool = False,
+    exclude: Collection[str] = (),
 ) -> set[str]:
     """Copy HF weights into a megatron-core GPT model (every rank its own shard and experts).
 
@@ -77,6 +78,7 @@ def load_hf_weights(
         hf_dir_or_state_dict: an HF model folder (safetensors) or a {HF name: tensor} dict.
         family: model family; default: the `model_type` of the folder's config.json.
         progress: show a progress bar (on the first rank).
+        exclude: global Megatron parameter names to leave as they are (e.g. a critic's value head).
 
     Returns:
         the HF names that were read (with pipeline/expert parallelism a rank reads only part).
@@ -108,6 +110,8 @@ def load_hf_weights(
     show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
     for chunk, name, tensor in tqdm(weights, desc="HF -> Megatron", disable=not show):
         global_name = global_param_name(name, chunk)
+        if global_name in exclude:
+            continue
         hf_names, kind = hf_names_for(global_name, dims)
         padded_rows = full_shape(name, tensor)[0] if kind == VOCAB else None
         full = merge_from_hf([fetch(n) for n in hf_names], kind, dims, rows=padded_rows)

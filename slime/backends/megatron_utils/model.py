@@ -12,6 +12,8 @@ Typical use in a trainer process (torch.distributed already initialized):
     model = build_model(args)                  # list of DDP-wrapped chunks (one per virtual stage)
     optimizer = build_optimizer(args, model)
     load_checkpoint(args.load, model, optimizer)   # checkpoint.py: torch_dist or HF folder
+
+`build_model(args, role="critic")` builds the PPO critic: the same backbone with a value head (critic.py).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def build_gpt_model(
     )
 
 
-def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True) -> list[nn.Module]:
+def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True, role: str = "actor") -> list[nn.Module]:
     """All model chunks of this rank (one per virtual pipeline stage), ready for `build_optimizer`.
 
     `--custom-model-provider-path` replaces `build_gpt_model` with `f(pre_process, post_process, vp_stage)`.
@@ -175,6 +177,8 @@ def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True) -> list[nn
     Args:
         args: Megatron flags; the model parallel state must already match them.
         wrap_with_ddp: False for a forward-only model (reference, conversion tools).
+        role: "actor" (LM head: vocab-parallel logits) or "critic" (untied embeddings, no MTP, and a
+            zero-initialized value head on the last stage: `[b, s, 1]` values; see critic.py).
 
     Returns:
         the list of chunks (length 1 without virtual pipelining).
@@ -183,6 +187,12 @@ def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True) -> list[nn
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
+    from slime.backends.megatron_utils.critic import attach_value_head, critic_model_args
+
+    if role not in ("actor", "critic"):
+        raise ValueError(f"unknown role {role!r}; use 'actor' or 'critic'")
+    if role == "critic":
+        args = critic_model_args(args)
     config = transformer_config_from_args(args)
     custom = getattr(args, "custom_model_provider_path", None)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -194,6 +204,8 @@ def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True) -> list[nn
             model = load_function(custom)(pre, post, vp_stage)
         else:
             model = build_gpt_model(args, pre, post, vp_stage, config=config)
+        if role == "critic" and post:
+            attach_value_head(model)  # before Float16Module, which casts every parameter
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:

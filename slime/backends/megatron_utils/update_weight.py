@@ -1,10 +1,28 @@
 """What the Megatron backend sends to the engines on a weight update: its weights under HF names.
 
-Each parameter is gathered over tensor (and expert) parallelism and converted to its HF names by
-`megatron_to_hf.megatron_state_to_hf` (a collective every rank of the stage joins), so every rank
-holds full tensors and no extra data-parallel traffic is needed. The transports and the engine
-protocol are backend-neutral and live in `slime.utils.weight_sync`. Pipeline parallelism is not
-handled here yet: `update_weights` refuses it.
+Within a pipeline stage, each parameter is gathered over tensor (and expert) parallelism and converted
+to its HF names by `megatron_to_hf.megatron_state_to_hf` (a collective every rank of the stage joins),
+so every rank of the stage holds the stage's full tensors. Layer numbers are global: each chunk's
+layers carry Megatron's global `layer_number`, which already counts the earlier stages and, with
+virtual pipelining, the interleaved chunks. Only the first stage has the embedding and only the last
+the final norm and the output layer (skipped when tied to the embedding), so the stages' HF names are
+disjoint and together name every weight once.
+
+Pipeline parallelism: the engines need every stage's weights, but the transports in
+`slime.utils.weight_sync` send from fixed ranks (the first rank of each colocated engine's span, or
+training rank 0 for the broadcast group), which hold one stage. So the stages forward their buckets
+along their pipeline group: stage 0's rank produces its buckets and broadcasts each one to the other
+ranks of its pipeline group, then stage 1's rank does the same, and so on. Every receiving rank
+yields the buckets in that order, so the transport on top sees one stream of the whole model and
+each tensor exactly once; the transports and `update_engine_weights` stay backend-neutral.
+
+- Colocated (tensor path): any rank may serve an engine, so every pipeline group forwards and every
+  rank yields the whole model (`hf_weight_buckets(..., to_every_rank=True)`).
+- Disaggregated (broadcast path): only training rank 0 sends, so only the pipeline group of rank 0
+  forwards (`to_every_rank=False`); the other ranks still produce their own stage's buckets, since
+  that is a tensor/expert-parallel collective rank 0's stage-mates may be part of, but yield nothing.
+  The price of one sending rank is that the stages' sends are serialized through it; per-stage
+  broadcast groups to the engines would send in parallel but need a group per stage on every engine.
 """
 
 from __future__ import annotations
@@ -12,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slime.backends.megatron_utils.megatron_to_hf import megatron_state_to_hf
@@ -21,7 +40,7 @@ from slime.utils.weight_sync import Bucket, bucket_named_tensors
 def hf_weights(
     model: list[nn.Module], family: str, vocab_size: int, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor on the training device), a collective over the model-parallel ranks.
+    """(HF name, full tensor on the training device) of this rank's pipeline stage, a collective over the stage.
 
     Args:
         model: The model chunks (wrapped or not).
@@ -37,7 +56,76 @@ def hf_weights(
 
 
 def hf_weight_buckets(
-    model: list[nn.Module], family: str, vocab_size: int, buffer_size: int, dtype: torch.dtype | None = None
+    model: list[nn.Module],
+    family: str,
+    vocab_size: int,
+    buffer_size: int,
+    dtype: torch.dtype | None = None,
+    to_every_rank: bool = True,
 ) -> Iterator[Bucket]:
-    """`hf_weights` in buckets of at most `buffer_size` bytes (`--update-weight-buffer-size`)."""
-    return bucket_named_tensors(hf_weights(model, family, vocab_size, dtype), buffer_size)
+    """The whole model's HF weights in buckets of at most `buffer_size` bytes (`--update-weight-buffer-size`).
+
+    A collective over all training ranks: every rank must iterate it to the end. Without pipeline
+    parallelism every rank yields the (whole) model; with it, the stages forward their buckets along
+    the pipeline group (see the module docstring).
+
+    Args:
+        model: The model chunks (wrapped or not).
+        family: Model family for the name mapping (e.g. "qwen3").
+        vocab_size: The true vocabulary (padded rows are dropped).
+        buffer_size: Bucket byte limit.
+        dtype: Cast to this dtype (None keeps the parameter dtype).
+        to_every_rank: With pipeline parallelism, whether every rank gets the whole model (colocated
+            engines) or only the pipeline group of training rank 0 does (broadcast transport); the
+            other ranks then yield nothing.
+
+    Yields:
+        Lists of (HF name, contiguous tensor on the training device), each name once over all buckets.
+    """
+    from megatron.core import parallel_state
+
+    own = bucket_named_tensors(hf_weights(model, family, vocab_size, dtype), buffer_size)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        yield from own
+        return
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if not to_every_rank and 0 not in dist.get_process_group_ranks(group):
+        for _ in own:  # take part in this stage's gathers; rank 0 never needs these copies
+            pass
+        return
+    yield from _forward_stage_buckets(own, group, _training_device(model))
+
+
+def _training_device(model: list[nn.Module]) -> torch.device:
+    return next(p.device for chunk in model for p in chunk.parameters())
+
+
+def _forward_stage_buckets(own: Iterator[Bucket], group: dist.ProcessGroup, device: torch.device) -> Iterator[Bucket]:
+    """Every stage's buckets, stage by stage, on every rank of the pipeline `group` (a collective over it).
+
+    Per bucket the sending stage broadcasts the names, shapes and dtypes, then the tensors; None ends
+    a stage. A name arriving twice means two stages claim the same weight: fail rather than send it twice.
+    """
+    my_stage = dist.get_rank(group)
+    seen: set[str] = set()
+    for stage in range(dist.get_world_size(group)):
+        source = dist.get_global_rank(group, stage)
+        sending = iter(own) if stage == my_stage else None
+        while True:
+            bucket = next(sending, None) if sending is not None else None
+            header = [None if bucket is None else [(n, tuple(t.shape), t.dtype) for n, t in bucket]]
+            dist.broadcast_object_list(header, src=source, group=group, device=device)
+            if header[0] is None:
+                break
+            if bucket is None:
+                bucket = [(name, torch.empty(shape, dtype=dtype, device=device)) for name, shape, dtype in header[0]]
+            for _, tensor in bucket:
+                dist.broadcast(tensor, src=source, group=group)
+            duplicates = seen.intersection(name for name, _ in bucket)
+            if duplicates:
+                raise RuntimeError(
+                    f"pipeline stage {stage} sends weights another stage already sent: {sorted(duplicates)}; "
+                    "each HF weight must belong to exactly one stage"
+                )
+            seen.update(name for name, _ in bucket)
+            yield bucket
