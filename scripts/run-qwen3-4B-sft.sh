@@ -3,6 +3,8 @@
 # No engines: the rollout function reads the dataset instead of generating (--debug-train-only),
 # the loss is token-averaged cross-entropy on assistant tokens. train_async.py prefetches the
 # next batch while the current one trains. DRY_RUN=1 prints the training arguments instead.
+# Multi-turn data: Qwen3's chat template gives only the final assistant turn a <think></think> block,
+# so conversations with several assistant turns are refused; keep one assistant turn per record.
 #
 # Before the first run:
 #   hf download Qwen/Qwen3-4B-Base --local-dir $ROOT_DIR/Qwen3-4B-Base

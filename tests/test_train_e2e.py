@@ -101,3 +101,13 @@ def test_async_run_three_rollouts(tiny_model_dir, prompt_file, tmp_path):
 def test_async_refuses_colocate(tiny_model_dir, prompt_file, tmp_path):
     with pytest.raises(AssertionError, match="cannot share devices"):
         run_script("train_async.py", tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "1", "--colocate")
+
+
+def test_ppo_run_trains_actor_and_critic(tiny_model_dir, prompt_file, tmp_path):
+    """PPO without --colocate: an actor rank and a critic rank share each trainer bundle."""
+    history = run_script(
+        "train.py", tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "2", "--advantage-estimator", "ppo",
+        "--custom-rm-path", "e2e_rewards.alternating_reward",
+    )  # fmt: skip
+    assert [h["rollout_id"] for h in history] == [0, 1]
+    assert all("train/pg_loss" in h and "critic/value_loss" in h for h in history)

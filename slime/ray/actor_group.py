@@ -88,8 +88,8 @@ class RayTrainGroup:
             raise ValueError("no bundles for the trainer: set --actor-num-nodes and --actor-num-gpus-per-node")
         self.dp_ranks = data_parallel_ranks(args, world_size)
         self.dp_size = max(self.dp_ranks) + 1
-        # Colocated trainers share each bundle with an engine (which takes 0.2 of it).
-        share = 0.4 if args.colocate else 0.8 if args.use_critic else 1.0
+        # A bundle may hold an actor rank, a critic rank (PPO) and, colocated, an engine (0.2).
+        share = 0.4 if args.colocate or args.use_critic else 1.0
         env_vars = {"NCCL_CUMEM_ENABLE": "0", **(args.train_env_vars or {})}
         if actor_slice.use_gpu:
             env_vars["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
@@ -140,6 +140,9 @@ class RayTrainGroup:
         ray.get([actor.connect_rollout_engines.remote(engines, engine_urls) for actor in self.actors])
 
     def update_weights(self) -> None:
+        """Push the trainer's weights to the engines; a no-op under `--debug-train-only` (there are none)."""
+        if self.args.debug_train_only:
+            return
         ray.get([actor.update_weights.remote() for actor in self.actors])
 
     def offload(self) -> None:

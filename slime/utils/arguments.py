@@ -687,7 +687,7 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--disable-compute-advantages-and-returns",
         action="store_true",
-        help="Skip advantage computation (e.g. SFT).",
+        help="Do not compute advantages and returns before the loss (SFT: --loss-type sft_loss uses neither).",
     )
     group.add_argument(
         "--use-rollout-logprobs",
@@ -1226,6 +1226,11 @@ def _validate_algorithm(args: argparse.Namespace) -> None:
         args.eps_clip_high = args.eps_clip
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         _fail("--loss-type custom_loss needs --custom-loss-function-path pointing at your loss function.")
+    if args.disable_compute_advantages_and_returns and args.loss_type == "policy_loss":
+        _fail(
+            "--disable-compute-advantages-and-returns leaves the rollout data without the advantages that "
+            "--loss-type policy_loss needs; use it with --loss-type sft_loss (or custom_loss)."
+        )
     if args.n_samples_per_prompt == 1 and not args.disable_grpo_std_normalization:
         logger.warning(
             "--n-samples-per-prompt 1: a group has one reward, so its std is 0; "

@@ -1,0 +1,248 @@
+"""Supervised fine-tuning as a rollout: read conversations instead of generating, train on the assistant turns.
+
+    --rollout-function-path slime.rollout.sft_rollout.generate_rollout --input-key messages
+    --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only
+
+Every prompt from the data source is a chat conversation (a list of `{"role", "content"}` messages).
+It becomes one training sequence, rendered with the tokenizer's chat template. The sample's response
+starts at the first assistant token and runs to the end of the conversation; `loss_mask` is 1 exactly
+on the tokens of assistant turns, so system, user and tool messages in between are context only.
+
+Assistant turns are located by rendering growing prefixes of the conversation: the messages before
+turn i with the generation prompt (where the model would start writing), and the messages up to and
+including turn i (where it stopped). Both must be prefixes of the whole rendered conversation.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.utils.types import Sample, Status
+
+
+@dataclass
+class Segment:
+    """A stretch of the rendered conversation; `trainable` marks text written by an assistant turn."""
+
+    text: str
+    trainable: bool
+
+
+@functools.lru_cache(maxsize=4)
+def load_chat_tokenizer(path: str) -> Any:
+    """The tokenizer of `--hf-checkpoint`, which must carry a chat template."""
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer of --hf-checkpoint {path} has no chat template; sft_rollout renders conversations "
+            "with it to find the assistant turns. Use a checkpoint whose tokenizer_config.json (or "
+            "chat_template.jinja) defines one"
+        )
+    return tokenizer
+
+
+def _preview(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: Any,
+    chat_template_kwargs: dict[str, Any],
+) -> str:
+    kwargs = {**chat_template_kwargs, "add_generation_prompt": add_generation_prompt}
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+    except Exception as e:  # jinja raises its own errors (e.g. "roles must alternate")
+        raise ValueError(
+            f"the chat template failed on the first {len(messages)} message(s) of the conversation "
+            f"({type(e).__name__}: {e}); check the conversation's roles and fields"
+        ) from e
+
+
+def conversation_segments(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: Any = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[Segment]:
+    """Split the rendered conversation into context and assistant segments.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer with a chat template.
+        messages: The conversation: dicts with at least a `role`; it needs one `assistant` message or more.
+        tools: Tool definitions for the chat template (`tools=`), or None.
+        chat_template_kwargs: Extra `apply_chat_template` arguments (`--apply-chat-template-kwargs`).
+
+    Returns:
+        Segments whose texts concatenate to the whole rendered conversation, alternating context
+        (`trainable=False`) and assistant turns (`trainable=True`); an assistant segment runs from the end of
+        the generation prompt to the end of the turn (its end-of-turn marker included).
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    full = _render(tokenizer, messages, False, tools, kwargs)
+    segments: list[Segment] = []
+    consumed = 0  # characters of `full` already assigned to a segment
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start_text = _render(tokenizer, messages[:i], True, tools, kwargs)
+        end_text = _render(tokenizer, messages[: i + 1], False, tools, kwargs)
+        if not (full.startswith(start_text) and len(start_text) >= consumed):
+            raise ValueError(
+                f"assistant turn at message {i}: the chat template renders the messages before it plus the "
+                "generation prompt differently from how they appear in the whole conversation, so the turn cannot "
+                "be located; the template must render a conversation's history the same whatever follows it"
+            )
+        if not (full.startswith(end_text) and len(end_text) > len(start_text)):
+            raise ValueError(
+                f"assistant turn at message {i}: the chat template renders this turn differently once later "
+                "messages follow it (Qwen3-style templates, for example, add a <think></think> block only to the "
+                "final assistant turn), so it cannot be masked inside one sequence. Keep one assistant turn per "
+                "conversation, or give the checkpoint a chat template that renders every assistant turn the same "
+                "way (for Qwen3: emit the <think> block only when the turn has reasoning_content)"
+            )
+        segments.append(Segment(full[consumed : len(start_text)], trainable=False))
+        segments.append(Segment(full[len(start_text) : len(end_text)], trainable=True))
+        consumed = len(end_text)
+    if not segments:
+        roles = [message["role"] for message in messages]
+        raise ValueError(f"the conversation has no assistant turn to train on (roles: {roles})")
+    segments.append(Segment(full[consumed:], trainable=False))
+    return [segment for segment in segments if segment.text]
+
+
+def tokenize_conversation(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: Any = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[int], list[int], str]:
+    """Token ids of the rendered conversation and a mask that is 1 exactly on assistant tokens.
+
+    Each segment is tokenized on its own, so no token straddles a context/assistant boundary: the
+    context is tokenized as an engine tokenizes a prompt, each assistant turn as the tokens it would generate.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer with a chat template.
+        messages: The conversation (see `conversation_segments`).
+        tools: Tool definitions for the chat template, or None.
+        chat_template_kwargs: Extra `apply_chat_template` arguments.
+
+    Returns:
+        (token ids, per-token mask, text from the first assistant token to the end).
+    """
+    segments = conversation_segments(tokenizer, messages, tools, chat_template_kwargs)
+    encoded = tokenizer([segment.text for segment in segments], add_special_tokens=False)["input_ids"]
+    tokens: list[int] = []
+    mask: list[int] = []
+    for segment, ids in zip(segments, encoded, strict=True):
+        tokens.extend(ids)
+        mask.extend([int(segment.trainable)] * len(ids))
+    first = next(i for i, segment in enumerate(segments) if segment.trainable)
+    return tokens, mask, "".join(segment.text for segment in segments[first:])
+
+
+def _check_conversation(prompt: Any, args: Any, sample: Sample) -> list[dict[str, Any]]:
+    where = f"sample {sample.index} (prompt group {sample.group_index})"
+    if isinstance(prompt, str) and getattr(args, "apply_chat_template", False):
+        raise ValueError(
+            f"{where}: the prompt is already rendered text because --apply-chat-template is set; drop "
+            "--apply-chat-template, sft_rollout renders the conversation itself"
+        )
+    is_conversation = (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(message, dict) and "role" in message for message in prompt)
+    )
+    if not is_conversation:
+        raise ValueError(
+            f"{where}: sft_rollout needs the field named by --input-key ({args.input_key!r}) to hold a conversation, "
+            f"a non-empty list of {{'role', 'content'}} messages, but found {type(prompt).__name__}: "
+            f"{_preview(prompt)}. Point --input-key at the messages column"
+        )
+    return prompt
+
+
+def sft_sample(args: Any, tokenizer: Any, sample: Sample, rollout_id: int) -> Sample:
+    """Fill `sample` (whose prompt is a conversation) as a finished SFT sample, in place.
+
+    Args:
+        args: Parsed arguments; reads `input_key`, `apply_chat_template_kwargs`.
+        tokenizer: A Hugging Face tokenizer with a chat template.
+        sample: A sample from the data source; `metadata["tools"]` is passed to the template when present.
+        rollout_id: The rollout step, recorded on the sample.
+
+    Returns:
+        The same sample with tokens, response, response_length, loss_mask, reward 0 and status completed.
+    """
+    messages = _check_conversation(sample.prompt, args, sample)
+    try:
+        tokens, mask, response = tokenize_conversation(
+            tokenizer, messages, sample.metadata.get("tools"), getattr(args, "apply_chat_template_kwargs", None)
+        )
+    except ValueError as e:
+        raise ValueError(f"sample {sample.index} (prompt group {sample.group_index}): {e}") from e
+    first_trainable = mask.index(1)
+    sample.tokens = tokens
+    sample.response = response
+    sample.response_length = len(tokens) - first_trainable
+    sample.loss_mask = mask[first_trainable:]
+    sample.rollout_log_probs = None
+    sample.reward = 0.0
+    sample.status = Status.COMPLETED
+    sample.rollout_id = rollout_id
+    return sample
+
+
+def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> RolloutFnTrainOutput:
+    """SFT `--rollout-function-path`: the next `--rollout-batch-size` conversations, tokenized for training.
+
+    Needs no inference engine, so it runs under `--debug-train-only`.
+
+    Args:
+        args: Parsed slime arguments (`hf_checkpoint`, `rollout_batch_size`, `input_key`,
+            `apply_chat_template_kwargs`).
+        rollout_id: The rollout step.
+        data_source: Source of prompt groups (`get_samples`); each prompt is a conversation.
+        evaluation: Not supported: SFT has no generation to evaluate.
+
+    Returns:
+        `RolloutFnTrainOutput` with `--rollout-batch-size` groups (one per conversation, `--n-samples-per-prompt`
+        identical copies) and the mean number of trainable tokens per sample.
+    """
+    if evaluation:
+        raise ValueError(
+            "slime.rollout.sft_rollout.generate_rollout has no evaluation mode; set --eval-function-path to a "
+            "generating rollout (e.g. slime.rollout.sglang_rollout.generate_rollout, which needs engines) or drop "
+            "--eval-prompt-data / --eval-interval"
+        )
+    if not args.hf_checkpoint:
+        raise ValueError("sft_rollout needs --hf-checkpoint for the tokenizer and its chat template")
+    tokenizer = load_chat_tokenizer(args.hf_checkpoint)
+    started = time.time()
+    groups = data_source.get_samples(args.rollout_batch_size)
+    for group in tqdm(groups, desc=f"sft rollout {rollout_id}", unit="group", leave=False):
+        first = sft_sample(args, tokenizer, group[0], rollout_id)
+        # Copies of one conversation tokenize identically: reuse the first one's result.
+        for sample in group[1:]:
+            sample.tokens, sample.loss_mask = list(first.tokens), list(first.loss_mask)
+            sample.response, sample.response_length = first.response, first.response_length
+            sample.rollout_log_probs, sample.reward, sample.status = None, 0.0, Status.COMPLETED
+            sample.rollout_id = rollout_id
+    samples = [sample for group in groups for sample in group]
+    metrics = {
+        "rollout/trainable_tokens": sum(sum(s.loss_mask) for s in samples) / max(len(samples), 1),
+        "rollout/generate_time": time.time() - started,
+    }
+    return RolloutFnTrainOutput(samples=groups, metrics=metrics)
