@@ -7,8 +7,9 @@ Config on both sides: 8 prompts x 4 samples per step, 32 new tokens, temperature
 beta 0 (no KL), one optimizer step per rollout, one torch thread per process (slime's engine
 and trainer take turns, so together they use one core at a time). Each side runs in its own
 subprocess, one after the other; peak RSS is the largest sum over that subprocess and all its
-descendants (Ray's own daemons included for slime), sampled every 0.2 s. Seconds per step are
-the mean of steps 2..N (step 1 includes warm-up).
+descendants (Ray's own daemons included for slime), sampled every 0.2 s, both as summed RSS (which
+counts shared library pages once per process) and as summed PSS (shared pages split, the real
+footprint; see `PeakMemory`). Seconds per step are the mean of steps 2..N (step 1 includes warm-up).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -27,27 +29,42 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_and_measure(command: list[str], env: dict[str, str]) -> tuple[int, float]:
-    """Run `command`; return (exit code, peak RSS in GiB of the process tree)."""
+@dataclass
+class PeakMemory:
+    """Peaks over a run of the summed memory of a process tree, in GiB.
+
+    rss: resident set sizes added up: shared pages (torch's libraries, mapped by every slime process)
+        count once per process, so a multi-process run is over-counted.
+    pss: proportional set sizes: each shared page split among the processes that map it, so the sum
+        is the tree's real footprint. For a single process (TRL) the two are nearly equal.
+    """
+
+    rss: float
+    pss: float
+
+
+def run_and_measure(command: list[str], env: dict[str, str]) -> tuple[int, PeakMemory]:
+    """Run `command`; return its exit code and the peak memory of its process tree (sampled every 0.2 s)."""
     process = subprocess.Popen(command, env=env, cwd=REPO)
-    peak = 0
+    peak_rss = peak_pss = 0
     stop = threading.Event()
 
     def sample():
-        nonlocal peak
+        nonlocal peak_rss, peak_pss
         root = psutil.Process(process.pid)
         while not stop.is_set():
             try:
                 tree = [root, *root.children(recursive=True)]
-                total = 0
-                for p in tree:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                peak = max(peak, total)
             except psutil.Error:
-                pass
+                tree = []
+            rss = pss = 0
+            for p in tree:
+                try:
+                    info = p.memory_full_info()
+                    rss, pss = rss + info.rss, pss + info.pss
+                except psutil.Error:
+                    pass
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
             stop.wait(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -55,7 +72,7 @@ def run_and_measure(command: list[str], env: dict[str, str]) -> tuple[int, float
     code = process.wait()
     stop.set()
     sampler.join()
-    return code, peak / 2**30
+    return code, PeakMemory(peak_rss / 2**30, peak_pss / 2**30)
 
 
 def mean_after_first(times: list[float]) -> float:
@@ -63,7 +80,7 @@ def mean_after_first(times: list[float]) -> float:
     return sum(later) / len(later)
 
 
-def bench_slime(model: str, data: Path, steps: int, workdir: Path) -> tuple[float, float]:
+def bench_slime(model: str, data: Path, steps: int, workdir: Path, max_tokens: int) -> tuple[float, PeakMemory]:
     save_dir = workdir / "slime"
     command = [
         sys.executable, "train.py",
@@ -73,7 +90,7 @@ def bench_slime(model: str, data: Path, steps: int, workdir: Path) -> tuple[floa
         "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--num-rollout", str(steps),
         "--rollout-max-response-len", "32", "--rollout-temperature", "1.0",
         "--advantage-estimator", "grpo", "--lr", "1e-5",
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",  # packed micro-batches, no padding
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tokens),  # micro-batches by token budget
         "--train-num-threads", "1", "--cpu-engine-num-threads", "1",
         "--save", str(save_dir),
     ]  # fmt: skip
@@ -121,7 +138,7 @@ json.dump(timer.times, open(out + "/step_times.json", "w"))
 """
 
 
-def bench_trl(model: str, data: Path, steps: int, workdir: Path) -> tuple[float, float]:
+def bench_trl(model: str, data: Path, steps: int, workdir: Path) -> tuple[float, PeakMemory]:
     out = workdir / "trl"
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -136,17 +153,19 @@ def main() -> None:
     parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
     parser.add_argument("--data", default="data/addition/train.jsonl", help="from tools/make_addition_dataset.py")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=1024, help="slime's micro-batch token budget")
     args = parser.parse_args()
     model = str(Path(args.model).resolve())
     data = Path(args.data).resolve()
     with tempfile.TemporaryDirectory() as tmp:
-        slime_step, slime_peak = bench_slime(model, data, args.steps, Path(tmp))
+        slime_step, slime_peak = bench_slime(model, data, args.steps, Path(tmp), args.max_tokens_per_gpu)
         trl_step, trl_peak = bench_trl(model, data, args.steps, Path(tmp))
-    print(f"{'':8} {'s/step':>8} {'peak RSS GiB':>13}")
-    print(f"{'slime':8} {slime_step:8.1f} {slime_peak:13.2f}")
-    print(f"{'TRL':8} {trl_step:8.1f} {trl_peak:13.2f}")
+    print(f"{'':8} {'s/step':>8} {'peak RSS GiB':>13} {'peak PSS GiB':>13}")
+    print(f"{'slime':8} {slime_step:8.1f} {slime_peak.rss:13.2f} {slime_peak.pss:13.2f}")
+    print(f"{'TRL':8} {trl_step:8.1f} {trl_peak.rss:13.2f} {trl_peak.pss:13.2f}")
     print(
-        f"speed ratio slime/TRL (steps/s): {trl_step / slime_step:.2f}x   memory ratio slime/TRL: {slime_peak / trl_peak:.2f}"
+        f"speed ratio slime/TRL (steps/s): {trl_step / slime_step:.2f}x   memory ratio slime/TRL: "
+        f"{slime_peak.rss / trl_peak.rss:.2f} (RSS), {slime_peak.pss / trl_peak.pss:.2f} (PSS)"
     )
 
 

@@ -8,9 +8,6 @@ way) are in `slime.utils.weight_transport`, shared with the trainers that send.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from slime.utils.misc import release_free_host_memory
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None):
@@ -180,10 +179,8 @@ def free_parameters(model) -> dict[str, tuple[torch.Size, torch.dtype]]:
     for name, param in model.named_parameters():
         layout[name] = (param.shape, param.dtype)
         param.data = torch.empty(0, dtype=param.dtype)
-    gc.collect()
-    # glibc keeps freed heap pages unless asked; large tensors were mmap-ed and are already gone.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    # large tensors were mmap-ed and are already gone; glibc keeps the rest unless asked
+    release_free_host_memory()
     return layout
 
 

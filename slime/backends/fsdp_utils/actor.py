@@ -38,7 +38,6 @@ KL (exact unless `--kl-coef` is non-zero, where the actor's advantages include t
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -74,7 +73,7 @@ from slime.ray.train_actor import TrainRayActor
 from slime.utils.advantages import compute_advantages_and_returns
 from slime.utils.losses import StepNormalizer, count_step_samples_and_tokens, value_loss
 from slime.utils.micro_batches import split_per_sample
-from slime.utils.misc import load_function
+from slime.utils.misc import load_function, release_free_host_memory
 from slime.utils.ppo_utils import compute_log_probs
 from slime.utils.weight_sync import (
     EngineLinks,
@@ -279,6 +278,8 @@ class FSDPTrainRayActor(TrainRayActor):
                 data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
             if self.args.use_rollout_logprobs:
                 data["log_probs"] = data["rollout_log_probs"]
+            elif self.args.loss_type == "sft_loss" and self.ref_shards is None:
+                pass  # nothing reads old log-probs: the SFT loss uses the current ones only
             elif fuse_old_log_probs:
                 data["log_probs"] = [None] * num_samples  # filled by the training forward
             else:
@@ -291,10 +292,12 @@ class FSDPTrainRayActor(TrainRayActor):
             load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
 
         metrics |= self._optimize(steps, data, fuse_old_log_probs)
-        if self.role == "actor" and not self.args.use_rollout_logprobs and data.get("rollout_log_probs") is not None:
+        measured = data.get("log_probs") is not None and not self.args.use_rollout_logprobs
+        if self.role == "actor" and measured and data.get("rollout_log_probs") is not None:
             metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
                 self._logprob_abs_diff(data["log_probs"], data["rollout_log_probs"], data["loss_masks"])
             )
+        release_free_host_memory()  # the step's activations, or the trainer's resident size keeps growing
         return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()}
 
     def _old_log_probs_from_training_forward(self, data: dict) -> bool:
@@ -501,7 +504,7 @@ class FSDPTrainRayActor(TrainRayActor):
             self.model.to("cpu")
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
             torch.cuda.empty_cache()
-        gc.collect()
+        release_free_host_memory()
 
     def wake_up(self) -> None:
         """Undo `sleep`: weights and optimizer state back on the training device."""
