@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
     parser.add_argument("--data", default="data/addition/train.jsonl", help="from tools/make_addition_dataset.py")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--max-tokens-per-gpu", type=int, default=1024, help="slime's micro-batch token budget")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=512, help="slime's micro-batch token budget")
     args = parser.parse_args()
     model = str(Path(args.model).resolve())
     data = Path(args.data).resolve()

@@ -7,14 +7,10 @@ The expected values come from a plain HF model given the trainer's gathered weig
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
+from engine_process import cpu_engine_process
 from test_fsdp_backend import make_rollout
 from transformers import AutoModelForCausalLM
 
@@ -22,9 +18,7 @@ from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
 from slime.backends.fsdp_utils.model import gather_full_state_dict
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.utils.arguments import parse_args
-from slime.utils.http_utils import find_free_port, wait_until_healthy
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PROBE = [5, 17, 42, 99, 123, 7, 250, 31, 64, 12, 200, 3]
 
 
@@ -38,20 +32,8 @@ def _destroy_process_group_after_module():
 
 @pytest.fixture
 def engine(tiny_model_dir):
-    port = find_free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", str(tiny_model_dir)]
-    process = subprocess.Popen([*command, "--port", str(port), "--num-threads", "1"], cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(f"{url}/health", 120, process=process)
-        yield EngineClient(url), url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with cpu_engine_process(tiny_model_dir) as client_and_url:
+        yield client_and_url
 
 
 def make_args(model_dir, *extra: str):

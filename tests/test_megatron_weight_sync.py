@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -23,14 +21,13 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 
+from engine_process import cpu_engine_process  # noqa: E402
 from megatron_cpu import run_in_processes  # noqa: E402
 from test_megatron_actor import hf_model_with, make_args, make_rollout  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
 from slime.backends.sglang_utils.http_client import EngineClient  # noqa: E402
-from slime.utils.http_utils import find_free_port, wait_until_healthy  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PROBE = [5, 17, 42, 99, 123, 7, 250, 31, 64, 12, 200, 3]
 TOLERANCE = 1e-4
 TRANSPORTS = ("distributed", "tensor")  # update 1 by broadcast, update 2 by shared-memory tensors
@@ -109,20 +106,8 @@ def _sync_worker(rank: int, world_size: int, model_dir: str, url: str, extra: tu
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    port = find_free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", str(tiny_model_dir)]
-    process = subprocess.Popen([*command, "--port", str(port), "--num-threads", "1"], cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(f"{url}/health", 120, process=process)
-        yield EngineClient(url), url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with cpu_engine_process(tiny_model_dir) as client_and_url:
+        yield client_and_url
 
 
 @pytest.mark.parametrize(

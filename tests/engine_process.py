@@ -1,0 +1,34 @@
+"""A real CPU engine server process for tests that sync weights into it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from slime.backends.sglang_utils.http_client import EngineClient
+from slime.utils.http_utils import find_free_port, wait_until_healthy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def cpu_engine_process(model_dir: str | Path) -> Iterator[tuple[EngineClient, str]]:
+    """`python -m slime.backends.cpu_engine` on a free port with one thread; yields (client, base URL)."""
+    port = find_free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", str(model_dir)]
+    process = subprocess.Popen([*command, "--port", str(port), "--num-threads", "1"], cwd=REPO_ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(f"{url}/health", 120, process=process)
+        yield EngineClient(url), url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
