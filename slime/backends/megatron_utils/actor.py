@@ -34,7 +34,6 @@ local layer spec): never load transformers models in this process there.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -70,7 +69,7 @@ from slime.ray.train_actor import TrainRayActor
 from slime.utils.advantages import compute_advantages_and_returns
 from slime.utils.losses import StepNormalizer, count_step_samples_and_tokens, value_loss
 from slime.utils.micro_batches import split_per_sample
-from slime.utils.misc import load_function
+from slime.utils.misc import load_function, release_free_host_memory
 from slime.utils.weight_sync import (
     EngineLinks,
     check_engines_match,
@@ -464,6 +463,8 @@ class MegatronTrainRayActor(TrainRayActor):
                 data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
             if self.args.use_rollout_logprobs:
                 data["log_probs"] = data["rollout_log_probs"]
+            elif self.args.loss_type == "sft_loss" and self.ref_weights is None:
+                pass  # nothing reads old log-probs: the SFT loss uses the current ones only
             else:
                 data["log_probs"] = self._forward_log_probs(steps, num_samples)
                 if data.get("rollout_log_probs") is not None:
@@ -626,6 +627,8 @@ class MegatronTrainRayActor(TrainRayActor):
 
     def update_weights(self) -> None:
         """Push the current weights to every engine (paused meanwhile) under the next weight version."""
+        if self.role != "actor":
+            raise RuntimeError("only the actor syncs weights to the engines; the critic's value head is not an LM")
         if self.engine_links is None or not self.engine_links.engines:
             raise RuntimeError("update_weights before connect_rollout_engines: the actor has no engines to update")
         dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else None
@@ -672,7 +675,7 @@ class MegatronTrainRayActor(TrainRayActor):
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        gc.collect()
+        release_free_host_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
