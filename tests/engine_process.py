@@ -9,6 +9,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.utils.http_utils import find_free_port, wait_until_healthy
 
@@ -32,3 +34,16 @@ def cpu_engine_process(model_dir: str | Path) -> Iterator[tuple[EngineClient, st
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def engine_prompt_log_probs(client: EngineClient, tokens: list[int]) -> torch.Tensor:
+    """The engine's log-prob of every token of `tokens` after the first, at temperature 1 (a scoring request)."""
+    response = client.generate(
+        {
+            "input_ids": tokens,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+    )
+    return torch.tensor([entry[0] for entry in response["meta_info"]["input_token_logprobs"][1:]])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from engine_process import cpu_engine_process
+from engine_process import cpu_engine_process, engine_prompt_log_probs
 from test_fsdp_backend import make_rollout
 from transformers import AutoModelForCausalLM
 
@@ -81,18 +81,6 @@ def plain_greedy(model, tokens: list[int], steps: int) -> list[int]:
             logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -1]
         tokens.append(int(logits.argmax()))
     return tokens[-steps:]
-
-
-def engine_prompt_log_probs(client: EngineClient, tokens: list[int]) -> torch.Tensor:
-    response = client.generate(
-        {
-            "input_ids": tokens,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-        }
-    )
-    return torch.tensor([entry[0] for entry in response["meta_info"]["input_token_logprobs"][1:]])
 
 
 def engine_greedy(client: EngineClient, tokens: list[int], steps: int) -> list[int]:

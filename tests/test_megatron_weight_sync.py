@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 
-from engine_process import cpu_engine_process  # noqa: E402
+from engine_process import cpu_engine_process, engine_prompt_log_probs  # noqa: E402
 from megatron_cpu import run_in_processes  # noqa: E402
 from test_megatron_actor import hf_model_with, make_args, make_rollout  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
@@ -49,18 +49,6 @@ class RecordingClient(EngineClient):
         response = super().update_weights_from_tensor(serialized_named_tensors=serialized_named_tensors, **kwargs)
         self.tensor_counts.append(int(re.fullmatch(r"updated (\d+) tensors", response["message"]).group(1)))
         return response
-
-
-def engine_prompt_log_probs(client: EngineClient, tokens: list[int]) -> torch.Tensor:
-    response = client.generate(
-        {
-            "input_ids": tokens,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-        }
-    )
-    return torch.tensor([entry[0] for entry in response["meta_info"]["input_token_logprobs"][1:]])
 
 
 def plain_prompt_log_probs(model, tokens: list[int]) -> torch.Tensor:
