@@ -43,6 +43,8 @@ class TrainRayActor:
             master_addr = ray.util.get_node_ip_address() if torch.cuda.is_available() else "127.0.0.1"
             master_port = get_free_port(master_addr if master_addr != "127.0.0.1" else "127.0.0.1")
         self.master_addr, self.master_port = master_addr, master_port
+        # critic: values from `compute_values`, kept for `train` on the same shard (`_remember_values`)
+        self.cached_values: tuple[tuple, list[torch.Tensor]] | None = None
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -82,6 +84,29 @@ class TrainRayActor:
             values = ray.get(values)
         return [torch.as_tensor(v, dtype=torch.float32) for v in values]
 
+    # ---- per-rollout steps both backends share ------------------------------------------
+    def _check_rollout_log_probs(self, data: dict) -> None:
+        """Refuse `--use-rollout-logprobs` / `--use-tis` on data without the engines' log-probs."""
+        if (self.args.use_rollout_logprobs or self.args.use_tis) and data.get("rollout_log_probs") is None:
+            raise ValueError(
+                "--use-rollout-logprobs / --use-tis need the engines' log-probs, but the rollout data has no "
+                "rollout_log_probs; make the rollout function record them (return_logprob)"
+            )
+
+    def _old_log_probs_unused(self, has_reference: bool) -> bool:
+        """Nothing reads the old log-probs: the SFT loss uses the current ones, and without a reference
+        no KL term needs them either."""
+        return self.args.loss_type == "sft_loss" and not has_reference
+
+    def _remember_values(self, data: dict, values: list[torch.Tensor]) -> None:
+        """Critic: keep `compute_values`' values for the `train` call on the same shard."""
+        self.cached_values = (_shard_key(data), values)
+
+    def _take_remembered_values(self, data: dict) -> list[torch.Tensor] | None:
+        """Critic: the values `compute_values` kept for this shard (None if it was another one); forgets them."""
+        cached, self.cached_values = self.cached_values, None
+        return cached[1] if cached is not None and cached[0] == _shard_key(data) else None
+
     # ---- interface implemented by backends ----------------------------------------------
     def init(self, args, role: str, with_ref: bool = False) -> int:
         """Build model and optimizer (loading `--load` if set); return the rollout id to start from."""
@@ -107,3 +132,8 @@ class TrainRayActor:
 
     def wake_up(self) -> None:
         raise NotImplementedError
+
+
+def _shard_key(data: dict) -> tuple:
+    """Identifies a rollout shard: its sample indices and response lengths."""
+    return tuple(data.get("sample_indices", [])), tuple(data["response_lengths"])

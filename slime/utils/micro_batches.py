@@ -94,6 +94,23 @@ def plan_step_micro_batches(
     return plan
 
 
+def split_prompt_response(
+    tokens: list[list[int]], response_lengths: list[int], index: int
+) -> tuple[list[int], list[int]]:
+    """(prompt, response) token ids of shard sample `index`, refusing a sample that cannot be trained on.
+
+    Raises:
+        ValueError: naming the sample when it lacks a prompt token or a response token.
+    """
+    sample, response = tokens[index], response_lengths[index]
+    if not 0 < response < len(sample):
+        raise ValueError(
+            f"sample {index} has {len(sample)} tokens and response_length {response}; a trainable sample needs "
+            "at least one prompt token and one response token"
+        )
+    return sample[: len(sample) - response], sample[len(sample) - response :]
+
+
 def split_per_sample(values: torch.Tensor, response_lengths: list[int]) -> list[torch.Tensor]:
     """Split a flat `[M]` tensor over a micro-batch's response tokens into one tensor per sample."""
     return list(torch.split(values, response_lengths))

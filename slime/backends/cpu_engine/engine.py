@@ -224,9 +224,8 @@ class CpuEngine:
         `receive(buffer)` per tensor); the future holds the new version."""
 
         def run() -> str:
-            if self.released:  # drain the sender's tensors before refusing, or its broadcasts hang
-                for _, dtype, shape in layout:
-                    receive(torch.empty(shape, dtype=dtype))
+            if self.released:
+                weights.drain_named_tensors(layout, receive)
             self._require_weights("update weights")
             weights.receive_named_tensors(self._targets, layout, receive)
             self._weights_source = None

@@ -73,6 +73,15 @@ def copy_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tup
         targets[name].copy_(tensor)
 
 
+def drain_named_tensors(
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]], receive: Callable[[torch.Tensor], None]
+) -> None:
+    """Receive every tensor of `layout` into scratch buffers and drop it: a refused update must still
+    take the sender's broadcasts, or the sender hangs."""
+    for _, dtype, shape in layout:
+        receive(torch.empty(shape, dtype=dtype))
+
+
 @torch.no_grad()
 def receive_named_tensors(
     targets: dict[str, torch.Tensor],
@@ -91,8 +100,7 @@ def receive_named_tensors(
     try:
         check_names_and_shapes(targets, {name: tuple(shape) for name, _, shape in layout})
     except ValueError:
-        for _, dtype, shape in layout:
-            receive(torch.empty(shape, dtype=dtype))
+        drain_named_tensors(layout, receive)
         raise
     for name, dtype, shape in layout:
         target = targets[name]

@@ -121,7 +121,6 @@ class FSDPTrainRayActor(TrainRayActor):
 
         self.ref_shards = self._reference_shards() if role == "actor" and with_ref else None
         self.actor_backup: dict[str, torch.Tensor] | None = None
-        self.cached_values: tuple[tuple, list[torch.Tensor]] | None = None
         self.engine_links: EngineLinks | None = None
         self.weight_version = 0
 
@@ -235,12 +234,8 @@ class FSDPTrainRayActor(TrainRayActor):
         """
         data = self._prepare(rollout_data)
         values = self._forward_per_sample(self._micro_batches(data), len(data["tokens"]), "values")
-        self.cached_values = (self._data_key(data), values)
+        self._remember_values(data, values)
         return [v.tolist() for v in values]
-
-    @staticmethod
-    def _data_key(data: dict) -> tuple:
-        return tuple(data.get("sample_indices", [])), tuple(data["response_lengths"])
 
     # ---- training ------------------------------------------------------------------------------
     def train(self, rollout_id: int, rollout_data: Any, values_refs: Any = None) -> dict[str, float]:
@@ -261,28 +256,18 @@ class FSDPTrainRayActor(TrainRayActor):
         metrics: dict[str, float] = {}
         fuse_old_log_probs = self._old_log_probs_from_training_forward(data)
         if self.role == "critic":
-            key = self._data_key(data)
-            if self.cached_values is not None and self.cached_values[0] == key:
-                data["values"] = self.cached_values[1]
-            else:
+            data["values"] = self._take_remembered_values(data)
+            if data["values"] is None:
                 data["values"] = self._forward_per_sample(steps, num_samples, "values")
-            self.cached_values = None
         else:
-            if self.args.use_rollout_logprobs or self.args.use_tis:
-                if data.get("rollout_log_probs") is None:
-                    raise ValueError(
-                        "--use-rollout-logprobs / --use-tis need the engines' log-probs, but the rollout data has no "
-                        "rollout_log_probs; make the rollout function record them (return_logprob)"
-                    )
+            self._check_rollout_log_probs(data)
             if self.ref_shards is not None:
                 data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
             if self.args.use_rollout_logprobs:
                 data["log_probs"] = data["rollout_log_probs"]
-            elif self.args.loss_type == "sft_loss" and self.ref_shards is None:
-                pass  # nothing reads old log-probs: the SFT loss uses the current ones only
             elif fuse_old_log_probs:
                 data["log_probs"] = [None] * num_samples  # filled by the training forward
-            else:
+            elif not self._old_log_probs_unused(has_reference=self.ref_shards is not None):
                 data["log_probs"] = self._forward_per_sample(steps, num_samples, "log_probs")
             if values_refs is not None:
                 data["values"] = self._values_for_this_rank(values_refs)

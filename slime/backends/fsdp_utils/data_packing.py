@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slime.utils.micro_batches import group_samples, plan_step_micro_batches, step_slices
+from slime.utils.micro_batches import group_samples, plan_step_micro_batches, split_prompt_response, step_slices
 
 # Attention kernels that take packed sequences through `position_ids` (variable-length attention).
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
@@ -65,17 +65,6 @@ class PackedMicroBatch:
     weight: float = 1.0
 
 
-def _split_sample(tokens: list[list[int]], response_lengths: list[int], index: int) -> tuple[list[int], list[int]]:
-    """(prompt, response) token ids of one sample, refusing samples that cannot be trained on."""
-    sample, response = tokens[index], response_lengths[index]
-    if not 0 < response < len(sample):
-        raise ValueError(
-            f"sample {index} has {len(sample)} tokens and response_length {response}; a trainable sample needs "
-            "at least one prompt token and one response token"
-        )
-    return sample[: len(sample) - response], sample[len(sample) - response :]
-
-
 def pack_micro_batch(
     tokens: list[list[int]],
     response_lengths: list[int],
@@ -97,7 +86,7 @@ def pack_micro_batch(
     """
     ids, positions, logit_positions, lengths = [], [], [], []
     for index in sample_indices:
-        prompt, response = _split_sample(tokens, response_lengths, index)
+        prompt, response = split_prompt_response(tokens, response_lengths, index)
         start = len(ids) + len(prompt)
         ids.extend(prompt + response)
         positions.extend(range(len(prompt) + len(response)))
@@ -141,7 +130,7 @@ def pack_shared_prompt_rows(
     """
     rows: dict[tuple[int, ...], list[int]] = {}
     for index in sample_indices:
-        prompt, _ = _split_sample(tokens, response_lengths, index)
+        prompt, _ = split_prompt_response(tokens, response_lengths, index)
         rows.setdefault(tuple(prompt), []).append(index)
     width = max(len(prompt) + sum(response_lengths[i] for i in members) for prompt, members in rows.items())
 
@@ -206,7 +195,7 @@ def plan_shared_prompt_micro_batches(
         costs: list[int] = []
         open_unit: dict[tuple[int, ...], int] = {}  # prompt -> index of its unit that still takes samples
         for index in block:
-            prompt, response = _split_sample(tokens, response_lengths, index)
+            prompt, response = split_prompt_response(tokens, response_lengths, index)
             unit = open_unit.get(tuple(prompt))
             if unit is None or costs[unit] + len(response) > max_tokens:
                 unit = len(units)

@@ -212,7 +212,6 @@ class MegatronTrainRayActor(TrainRayActor):
             start_rollout_id = 0 if finetune else iteration + 1
             logger.info("rank %d: resumed the %s from %s rollout %d", self.rank, role, load_root, iteration)
 
-        self.cached_values: tuple[tuple, list[torch.Tensor]] | None = None
         self.actor_backup: dict[str, torch.Tensor] | None = None
         self.engine_links: EngineLinks | None = None
         self.weight_version = 0
@@ -422,12 +421,8 @@ class MegatronTrainRayActor(TrainRayActor):
             raise RuntimeError("compute_values is the critic's: init this rank with role 'critic'")
         data = self._prepare(rollout_data)
         values = self._forward_values(self._micro_batches(data), len(data["tokens"]))
-        self.cached_values = (self._data_key(data), values)
+        self._remember_values(data, values)
         return [value.tolist() for value in values]
-
-    @staticmethod
-    def _data_key(data: dict) -> tuple:
-        return tuple(data.get("sample_indices", [])), tuple(data["response_lengths"])
 
     # ---- training ------------------------------------------------------------------------------
     def train(self, rollout_id: int, rollout_data: Any, values_refs: Any = None) -> dict[str, float]:
@@ -448,24 +443,16 @@ class MegatronTrainRayActor(TrainRayActor):
         num_samples = len(data["tokens"])
         metrics: dict[str, float] = {}
         if self.role == "critic":
-            cached, self.cached_values = self.cached_values, None
-            if cached is not None and cached[0] == self._data_key(data):
-                data["values"] = cached[1]
-            else:
+            data["values"] = self._take_remembered_values(data)
+            if data["values"] is None:
                 data["values"] = self._forward_values(steps, num_samples)
         else:
-            if (self.args.use_rollout_logprobs or self.args.use_tis) and data.get("rollout_log_probs") is None:
-                raise ValueError(
-                    "--use-rollout-logprobs / --use-tis need the engines' log-probs, but the rollout data has no "
-                    "rollout_log_probs; make the rollout function record them (return_logprob)"
-                )
+            self._check_rollout_log_probs(data)
             if self.ref_weights is not None:
                 data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
             if self.args.use_rollout_logprobs:
                 data["log_probs"] = data["rollout_log_probs"]
-            elif self.args.loss_type == "sft_loss" and self.ref_weights is None:
-                pass  # nothing reads old log-probs: the SFT loss uses the current ones only
-            else:
+            elif not self._old_log_probs_unused(has_reference=self.ref_weights is not None):
                 data["log_probs"] = self._forward_log_probs(steps, num_samples)
                 if data.get("rollout_log_probs") is not None:
                     metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (

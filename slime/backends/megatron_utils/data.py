@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slime.utils.micro_batches import plan_step_micro_batches
+from slime.utils.micro_batches import plan_step_micro_batches, split_prompt_response
 
 
 @dataclass
@@ -99,15 +99,10 @@ def pack_micro_batch(
     boundaries = [0]
     lengths = []
     for index in sample_indices:
-        sample, response = tokens[index], response_lengths[index]
-        total = len(sample)
-        if not 0 < response < total:
-            raise ValueError(
-                f"sample {index} has {total} tokens and response_length {response}; a trainable sample needs "
-                "at least one prompt token and one response token"
-            )
+        prompt, response_tokens = split_prompt_response(tokens, response_lengths, index)
+        total, response = len(prompt) + len(response_tokens), len(response_tokens)
         offset = len(ids)
-        ids.extend(sample)
+        ids.extend(prompt + response_tokens)
         positions.extend(range(total))
         logit_positions.extend(range(offset + total - response - 1, offset + total - 1))
         sequence_padding = -total % sequence_pad_multiple
