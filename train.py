@@ -13,8 +13,7 @@ import time
 
 import ray
 
-from slime.ray.driver import create_training_run, finish, save_checkpoint, train_one_rollout
-from slime.utils.arguments import parse_args
+from slime.ray.driver import create_training_run, finish, run_driver, save_checkpoint, train_one_rollout, update_weights
 from slime.utils.misc import should_run_periodic_action
 
 
@@ -41,7 +40,7 @@ def train(args) -> None:
                 actor.offload()
             if args.offload_rollout:
                 ray.get(manager.onload.remote())
-            actor.update_weights()
+            metrics |= update_weights(run)
 
         if should_run_periodic_action(rollout_id, args.eval_interval, run.num_rollout_per_epoch):
             metrics |= ray.get(manager.eval.remote(rollout_id))
@@ -52,4 +51,4 @@ def train(args) -> None:
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    run_driver(train)

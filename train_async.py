@@ -11,8 +11,7 @@ import time
 
 import ray
 
-from slime.ray.driver import create_training_run, finish, save_checkpoint, train_one_rollout
-from slime.utils.arguments import parse_args
+from slime.ray.driver import create_training_run, finish, run_driver, save_checkpoint, train_one_rollout, update_weights
 from slime.utils.misc import should_run_periodic_action
 
 
@@ -25,7 +24,7 @@ def train(args) -> None:
     if args.debug_rollout_only:
         raise SystemExit("--debug-rollout-only has nothing to overlap: use train.py --debug-rollout-only")
     run = create_training_run(args)
-    manager, actor = run.rollout_manager, run.actor
+    manager = run.rollout_manager
     if args.eval_interval and not args.skip_eval_before_train:
         run.tracker.log(run.start_rollout_id, ray.get(manager.eval.remote(run.start_rollout_id)))
 
@@ -43,7 +42,7 @@ def train(args) -> None:
         if (rollout_id + 1) % args.update_weights_interval == 0:
             if rollout_id + 1 < run.num_rollout:
                 ray.wait([next_batch])  # never swap weights under a running generation
-            actor.update_weights()
+            metrics |= update_weights(run)
         if should_run_periodic_action(rollout_id, args.eval_interval, run.num_rollout_per_epoch):
             metrics |= ray.get(manager.eval.remote(rollout_id))
         metrics["perf/step_time"] = time.time() - step_started
@@ -53,4 +52,4 @@ def train(args) -> None:
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    run_driver(train)

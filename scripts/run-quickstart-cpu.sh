@@ -10,7 +10,14 @@ python3 tools/prepare_smollm2.py --output models/SmolLM2-135M-Instruct
 python3 tools/make_addition_dataset.py --output-dir data/addition --num-train 2000 --num-eval 100
 
 MODEL=models/SmolLM2-135M-Instruct
-OUT=outputs/quickstart-grpo
+# Rerunning the script resumes the run in $OUT from its last checkpoint (train.py refuses to start over
+# on a folder that holds a run); `OUT=outputs/another-name bash scripts/run-quickstart-cpu.sh` starts afresh.
+OUT=${OUT:-outputs/quickstart-grpo}
+RESUME=()
+if [ -d "$OUT" ]; then
+    echo "resuming the run in $OUT (set OUT=<new folder> to start a new one)"
+    RESUME=(--load "$OUT")
+fi
 
 ARGS=(
     --hf-checkpoint "$MODEL"
@@ -25,5 +32,5 @@ ARGS=(
     --save "$OUT" --save-interval 10
     --train-num-threads 2 --cpu-engine-num-threads 1
 )
-python3 train.py "${ARGS[@]}" "$@"
+python3 train.py "${ARGS[@]}" "${RESUME[@]}" "$@"
 python3 tools/plot_metrics.py "$OUT/metrics.jsonl" --output "$OUT/curves.png"

@@ -29,6 +29,8 @@ def ray_cluster():
     """One local Ray cluster for the whole session (starting one costs seconds)."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    from slime.ray.placement_group import init_ray
+
+    init_ray(num_cpus=8, log_to_driver=False)
     yield
     ray.shutdown()

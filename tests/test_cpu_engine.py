@@ -7,8 +7,11 @@ with transformers and run one full forward per token, no KV cache, no batching.
 
 from __future__ import annotations
 
+import base64
 import copy
+import http.client
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -497,6 +500,9 @@ def test_pause_abort_mode_aborts_running_and_holds_new_requests(server):
         ({"input_ids": PROMPT_IDS, "sampling_params": {"temprature": 1}}, "temprature"),
         ({"input_ids": PROMPT_IDS, "sampling_params": {"repetition_penalty": 1.3}}, "repetition_penalty"),
         ({"input_ids": PROMPT_IDS, "sampling_params": {"sampling_seed": "x"}}, "sampling_seed"),
+        ({"input_ids": PROMPT_IDS, "sampling_params": {"sampling_seed": 2**63}}, "sampling_seed"),
+        ({"input_ids": PROMPT_IDS, "sampling_params": {"sampling_seed": 2**64}}, "sampling_seed"),  # was a 500
+        ({"input_ids": PROMPT_IDS, "sampling_params": {"sampling_seed": -1}}, "sampling_seed"),
         ({"input_ids": PROMPT_IDS, "sampling_params": [1]}, "sampling_params"),
         ({"input_ids": ["a", "b"]}, "input_ids"),
         ({"input_ids": [5, 99999]}, "input_ids"),
@@ -507,6 +513,10 @@ def test_pause_abort_mode_aborts_running_and_holds_new_requests(server):
         ({"input_ids": PROMPT_IDS, "image_data": ["x.png"]}, "image_data"),
         ({"input_ids": PROMPT_IDS, "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
     ],
+)
+@pytest.mark.reliability(
+    "/generate with a bad field (sampling_seed >= 2**63, negative max_new_tokens, top_p 0, typo, ...)",
+    "HTTP 400 naming the field",
 )
 def test_bad_requests_get_400_naming_the_field(server, body, field):
     response = requests.post(f"{server}/generate", json=body)
@@ -524,6 +534,50 @@ def test_router_added_fields_are_ignored(server):
 def test_non_json_body_gets_400(server):
     response = requests.post(f"{server}/generate", data=b"{not json")
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+@pytest.mark.reliability(
+    "/generate body nested 100000 deep, a 5000-digit integer, or temperature NaN", "HTTP 400 saying why, not 500"
+)
+def test_bodies_json_cannot_hold_get_400(server):
+    bodies = [
+        (b"[" * 100_000, "nested too deeply"),
+        (b'{"input_ids": [' + b"7" * 5000 + b"]}", "JSON"),
+        (b'{"input_ids": [5, 6], "sampling_params": {"temperature": NaN}}', "temperature"),  # Python's json reads NaN
+    ]
+    for body, words in bodies:
+        response = requests.post(f"{server}/generate", data=body)
+        assert response.status_code == 400 and words in response.json()["error"]["message"]
+    assert requests.get(f"{server}/health", timeout=5).status_code == 200
+
+
+@pytest.mark.reliability("50 MB POST to /generate", "HTTP 413 naming the limit; /health answers meanwhile")
+def test_health_answers_while_a_huge_body_arrives(server):
+    # Headers first: the size limit is answered before a byte of the body is read.
+    host, port = server.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.putrequest("POST", "/generate")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(50 * 2**20))
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 413 and "MiB" in response.read().decode()
+    connection.close()
+
+    body = b'{"input_ids": [' + b"1, " * (50 * 2**20 // 3) + b"1]}"  # valid token ids: all of it gets checked
+    latencies = []
+    with ThreadPoolExecutor(1) as pool:
+        upload = pool.submit(requests.post, f"{server}/generate", data=body, timeout=120)
+        while not upload.done() or len(latencies) < 5:
+            started = time.monotonic()
+            assert requests.get(f"{server}/health", timeout=10).status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.05)
+        try:
+            assert upload.result().status_code == 413
+        except requests.ConnectionError:
+            pass  # the server may close the connection while the client is still sending
+    assert max(latencies) < 1.0, latencies
 
 
 # ---------------------------------------------------------------- info endpoints
@@ -594,6 +648,44 @@ def test_update_weights_from_tensor(server, ref_model, tiny_model_dir, restore_w
     )
     assert response.status_code == 400 and "no.such.weight" in response.json()["message"]
     assert greedy(server, PROMPT_IDS)["output_ids"] == expected and _version(server) == _next_version(version)
+
+
+@pytest.mark.reliability(
+    "weight update with an integer tensor for a float parameter", "HTTP 400 naming it; no parameter changes"
+)
+def test_update_with_a_wrong_dtype_changes_nothing(server, ref_model, restore_weights):
+    before, version = greedy(server, PROMPT_IDS)["output_ids"], _version(server)
+    state = _perturbed_state(ref_model, seed=5)
+    name = "model.layers.0.mlp.up_proj.weight"
+    # Every other tensor is fine and listed first: a check after the first writes would change them.
+    named = [(n, t) for n, t in state.items() if n != name] + [(name, torch.ones_like(state[name], dtype=torch.int64))]
+    response = requests.post(
+        f"{server}/update_weights_from_tensor", json={"serialized_named_tensors": [serialize_named_tensors(named)]}
+    )
+    assert response.status_code == 400
+    assert "wrong dtypes" in response.json()["message"] and name in response.json()["message"]
+    assert greedy(server, PROMPT_IDS)["output_ids"] == before and _version(server) == version
+
+
+class _TouchesFile:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+@pytest.mark.reliability(
+    "/update_weights_from_tensor payload whose pickle runs a shell command", "HTTP 400 naming the global; nothing runs"
+)
+def test_crafted_pickle_payload_is_refused(server, tmp_path):
+    marker = tmp_path / "pwned"
+    payload = base64.b64encode(pickle.dumps([("lm_head.weight", _TouchesFile(marker))])).decode("ascii")
+    version = _version(server)
+    response = requests.post(f"{server}/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
+    assert response.status_code == 400, response.text
+    assert "posix.system" in response.json()["message"]
+    assert not marker.exists() and _version(server) == version
 
 
 def test_update_weights_from_distributed_over_gloo(server, ref_model, tiny_model_dir, restore_weights):

@@ -4,7 +4,9 @@ import json
 import os
 from argparse import Namespace
 
+import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from slime.rollout.data_source import (
@@ -257,6 +259,52 @@ def test_buffer_round_trips_all_sample_fields(tmp_path):
     restored.load(0)
     assert restored.buffer[0][0] == group[0]
     assert isinstance(restored.buffer[0][0], Sample)
+
+
+class MakesAFolderWhenUnpickled:
+    """Unpickling this object runs code: it creates the folder `path`."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.makedirs, (self.path,)
+
+
+@pytest.mark.reliability(
+    "a data source checkpoint whose unpickling would run code",
+    "refused (loaded with weights_only=True), naming the file; no code runs",
+)
+def test_load_never_runs_code_from_a_checkpoint(tmp_path):
+    args = make_args(tmp_path)
+    os.makedirs(os.path.join(args.load, "rollout"))
+    ran = tmp_path / "code_ran"
+    path = os.path.join(args.load, "rollout", "data_source_0.pt")
+    torch.save({"epoch_id": MakesAFolderWhenUnpickled(str(ran))}, path)
+    with pytest.raises(ValueError, match="data_source_0.pt") as error:
+        RolloutDataSourceWithBuffer(args).load(0)
+    assert "MakesAFolderWhenUnpickled" in str(error.value) or "makedirs" in str(error.value)
+    assert not ran.exists()
+
+
+@pytest.mark.reliability(
+    "a sample put back into the buffer with metadata a checkpoint cannot store safely (a numpy array)",
+    "the save fails naming the type and the fix; no checkpoint file is left",
+)
+def test_save_refuses_state_that_needs_unpickling(tmp_path):
+    source = RolloutDataSourceWithBuffer(make_args(tmp_path))
+    group = source.get_samples(1)[0]
+    group[0].metadata = {"scores": np.array([1.0, 2.0])}
+    source.add_samples([group])
+    with pytest.raises(TypeError, match="numpy") as error:
+        source.save(0)
+    assert "plain Python values" in str(error.value)
+    assert os.listdir(os.path.join(tmp_path, "ckpt", "rollout")) == []
+    group[0].metadata = {"scores": [1.0, 2.0]}  # plain values save and load
+    source.save(0)
+    restored = RolloutDataSourceWithBuffer(make_args(tmp_path))
+    restored.load(0)
+    assert restored.buffer[0][0].metadata == {"scores": [1.0, 2.0]}
 
 
 def test_save_is_atomic_and_load_picks_the_latest(tmp_path):

@@ -92,6 +92,20 @@ def test_cpu_engine_args_defaults_and_overrides():
     assert cli[-4:] == ["--max-running-requests", "8", "--num-threads", "2"]
 
 
+def test_cpu_engine_args_forward_the_api_key_and_queue_limit():
+    args = Namespace(
+        cpu_engine_max_queued_requests=64, sglang_server_args={"api-key": "k3y", "mem_fraction_static": 0.5}
+    )
+    cli = build_cpu_engine_args(args, model_path="/m", host="127.0.0.1", port=5)
+    assert cli[cli.index("--api-key") + 1] == "k3y" and cli[cli.index("--max-queued-requests") + 1] == "64"
+    assert "--mem-fraction-static" not in cli  # means nothing to the CPU engine
+    # The engine's own parser reads them back.
+    from slime.backends.cpu_engine.server import parse_args
+
+    parsed = parse_args(cli)
+    assert (parsed.api_key, parsed.max_queued_requests, parsed.host) == ("k3y", 64, "127.0.0.1")
+
+
 def test_options_follow_the_target_parser():
     import argparse
 
@@ -364,6 +378,22 @@ def test_update_weights_from_tensor(engine, tiny_model_dir):
     assert error.value.status == 400 and "load_format" in error.value.body
     engine.update_weights_from_disk(str(tiny_model_dir), weight_version="original")
     _assert_not_uniform(_generate(engine, [9, 10]), model.config.vocab_size)
+
+
+@pytest.mark.reliability("trainer pushes a weight update the engine refuses", "the error carries the engine's reason")
+def test_refused_update_raises_with_the_engine_message(engine, tiny_model_dir):
+    import torch
+
+    from slime.utils.weight_transport import serialize_named_tensors
+
+    model = _zeroed_model(tiny_model_dir)
+    named = [(name, tensor.to(torch.int64)) for name, tensor in model.state_dict().items()]
+    with pytest.raises(HTTPRequestError) as error:
+        engine.update_weights_from_tensor([serialize_named_tensors(named)], weight_version="ints")
+    assert error.value.status == 400
+    assert "wrong dtypes" in str(error.value) and "nothing was changed" in str(error.value)
+    _assert_not_uniform(_generate(engine, [9, 10]), model.config.vocab_size)
+    assert engine.get_model_info()["weight_version"] != "ints"
 
 
 def test_update_weights_from_distributed_over_gloo(engine, tiny_model_dir):

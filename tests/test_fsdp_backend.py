@@ -147,7 +147,10 @@ def test_packed_logits_equal_unpacked(tiny_model_dir, layout):
         worst = max(worst, (packed_logits[row : row + response] - expected).abs().max().item())
         row += response
     assert row == packed_logits.shape[0]
-    assert worst < 1e-5, worst
+    # fp32, not exact: packing changes the matmul shapes and so the summation order, and so does the thread
+    # count (measured 7e-6 at 1 thread, 1.03e-5 at 2, on logits up to ~6). K * eps for the 128-wide MLP is
+    # 1.5e-5 relative, ~1e-4 here; a sample attending across its neighbour moves logits by ~9.
+    assert worst < 1e-4, worst
     assert packed.target_tokens.tolist() == [t for tok, r in ordered for t in tok[-r:]]
 
 

@@ -119,3 +119,23 @@ def test_update_weights_makes_engine_match_trainer(tiny_model_dir, engine, coloc
         assert client.get_model_info()["weight_version"] == expected_version
         assert actor.check_weights_equal()["max_abs_diff"] < 1e-4
         print(f"{'tensor' if colocate else 'distributed'} update {expected_version}: log-prob gap {gap:.2e}")
+
+
+@pytest.mark.reliability(
+    "a weight update the engine refuses (a parameter name it does not have)",
+    "the trainer raises with the engine's own message; the engine is not left paused and keeps its weights",
+)
+def test_failed_update_leaves_engine_serving(tiny_model_dir, engine):
+    from slime.utils.http_utils import find_free_port
+    from slime.utils.weight_sync import EngineLinks, update_engine_weights
+
+    client, _ = engine
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
+    before = engine_prompt_log_probs(client, PROBE)
+    links = EngineLinks([client], colocate=True, gpus_per_engine=1, span_groups=[None], broadcast_group=None)
+    bucket = [("model.layers.0.mlp.no_such_proj.weight", torch.zeros(4, 4))]
+    with pytest.raises(RuntimeError, match="no_such_proj"):
+        update_engine_weights(links, [bucket], rank=0, version="7")
+    assert client.get_server_info()["internal_states"][0]["paused"] is False
+    assert torch.equal(engine_prompt_log_probs(client, PROBE), before)

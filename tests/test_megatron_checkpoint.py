@@ -41,8 +41,10 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {name: param.detach().clone() for name, param in model[0].named_parameters()}
 
 
-def _worker(rank: int, world_size: int, hf_dir: str, root: str, tokens: torch.Tensor) -> dict:
-    from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
+def _worker(
+    rank: int, world_size: int, hf_dir: str, root: str, tokens: torch.Tensor, user_dir: str, export_dir: str
+) -> dict:
+    from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint, save_hf_checkpoint
     from slime.backends.megatron_utils.config import config_from_hf
     from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_model_parallel
 
@@ -59,11 +61,19 @@ def _worker(rank: int, world_size: int, hf_dir: str, root: str, tokens: torch.Te
     out["hf_folder_weights"] = _hf_weights(model, args.vocab_size)
     _train_step(model, optimizer, tokens)
     save_checkpoint(root, 5, model, optimizer, extra_state={"data_state": {"epoch": 2}})
+    save_checkpoint(root, 5, model, optimizer, extra_state={"data_state": {"epoch": 2}})  # again: replaced
     saved = _params(model)
     out["saved_hf"] = _hf_weights(model, args.vocab_size)
     _train_step(model, optimizer, tokens)
     save_checkpoint(root, 7, model, optimizer)
     out["tracker_after_7"] = (Path(root) / "latest_checkpointed_iteration.txt").read_text()
+    out["export_errors"] = {}
+    try:  # an HF export into a folder of the user's is refused on every rank
+        save_hf_checkpoint(model, user_dir, hf_dir)
+    except FileExistsError as error:
+        out["export_errors"]["user"] = str(error)
+    save_hf_checkpoint(model, export_dir, hf_dir)  # one model.safetensors
+    out["first_export"] = _hf_weights(model, args.vocab_size)
 
     # A fresh TP=2 model and optimizer (other seed): iteration 5 restores weights and optimizer exactly.
     initialize_model_parallel(tensor_model_parallel_size=2, seed=2)
@@ -72,6 +82,11 @@ def _worker(rank: int, world_size: int, hf_dir: str, root: str, tokens: torch.Te
     out["fresh_differs"] = any(not torch.equal(p, saved[n]) for n, p in _params(restored).items())
     out["load_5"] = load_checkpoint(root, restored, restored_optimizer, iteration=5)
     out["restored_equal"] = all(torch.equal(p, saved[n]) for n, p in _params(restored).items())
+    try:  # iteration 5's weights over the export of iteration 7's, in several shards: no old file may stay
+        save_hf_checkpoint(restored, export_dir, hf_dir, max_shard_bytes=2**16)
+        out["second_export"] = _hf_weights(restored, args.vocab_size)
+    except TypeError as error:
+        out["export_errors"]["second"] = str(error)
     # Same step from the same weights and optimizer state -> the same weights as the original's step.
     _train_step(restored, restored_optimizer, tokens)
     latest = build_model(args, wrap_with_ddp=False)
@@ -94,14 +109,24 @@ def _worker(rank: int, world_size: int, hf_dir: str, root: str, tokens: torch.Te
     return out
 
 
+USER_FOLDERS = ("iter_0000005.tmp", "iter_0000005.old", "results.tmp-final")
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("megatron_ckpt")
     hf_dir = build_tiny_model(base / "hf", arch="qwen3")
     root = base / "ckpt"
+    # The user's own folders, named as slime's temporary and replaced folders once were.
+    for name in USER_FOLDERS:
+        (root / name).mkdir(parents=True)
+        (root / name / "keep.txt").write_text("mine")
+    (base / "my_model").mkdir()
+    (base / "my_model" / "notes.txt").write_text("mine")
     torch.manual_seed(3)
     tokens = torch.randint(0, 300, (2, 10))
-    results = run_in_processes(_worker, world_size=2, args=(str(hf_dir), str(root), tokens))
+    folders = (str(base / "my_model"), str(base / "export"))
+    results = run_in_processes(_worker, world_size=2, args=(str(hf_dir), str(root), tokens, *folders))
     return hf_dir, root, results
 
 
@@ -128,7 +153,7 @@ def test_save_load_restores_weights_and_optimizer_exactly(run):
 def test_tracker_and_layout_are_megatrons(run):
     _, root, results = run
     assert results[0]["tracker_after_7"] == "7"
-    names = sorted(p.name for p in Path(root).iterdir())
+    names = sorted(p.name for p in Path(root).iterdir() if p.name not in USER_FOLDERS)
     assert names == ["iter_0000005", "iter_0000007", "latest_checkpointed_iteration.txt"]  # no tmp leftovers
     assert (Path(root) / "iter_0000005" / ".metadata").is_file()
 
@@ -155,3 +180,41 @@ def test_has_checkpoint_tells_resume_from_start(run, tmp_path):
     hf_dir, root, _ = run
     assert has_checkpoint(root) and has_checkpoint(Path(root) / "iter_0000005") and has_checkpoint(hf_dir)
     assert not has_checkpoint(tmp_path / "not_yet_saved") and not has_checkpoint(None)
+
+
+@pytest.mark.reliability(
+    "Megatron saves and HF exports next to the user's folders (iter_0000005.tmp/, a model folder of theirs)",
+    "the user's folders are untouched; an export into one is refused on every rank, naming it",
+)
+def test_user_folders_are_never_touched(run):
+    _, root, results = run
+    for name in USER_FOLDERS:
+        assert (Path(root) / name / "keep.txt").read_text() == "mine", name
+    user_dir = Path(root).parent / "my_model"
+    assert sorted(p.name for p in user_dir.iterdir()) == ["notes.txt"]
+    for result in results:
+        assert (
+            str(user_dir) in result["export_errors"].get("user", "") and "--save-hf" in result["export_errors"]["user"]
+        )
+
+
+@pytest.mark.reliability(
+    "an HF export over an earlier one with other weights and other weight files",
+    "the folder is replaced whole: from_pretrained loads the new weights, no old shard stays",
+)
+def test_second_export_replaces_the_first_whole(run):
+    from transformers import AutoModelForCausalLM
+
+    _, root, results = run
+    export = Path(root).parent / "export"
+    assert "second" not in results[0]["export_errors"], results[0]["export_errors"]
+    names = sorted(p.name for p in export.iterdir())
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names  # the first export's file
+    assert len([name for name in names if name.startswith("model-")]) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
+    expected = results[0]["second_export"]
+    assert expected.keys() <= loaded.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor.float()), name
+    # The first export held other weights (iteration 7's), so this proves the replacement.
+    assert any(not torch.equal(expected[name], results[0]["first_export"][name]) for name in expected)

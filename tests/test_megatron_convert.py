@@ -415,3 +415,24 @@ def test_tool_rejects_an_unknown_family(tmp_path, tiny_model_dir):
     assert result.returncode != 0
     assert "unknown model family 'gpt-oss'" in result.stderr and "qwen3" in result.stderr
     assert not (tmp_path / "x").exists()
+
+
+@requires_megatron
+@pytest.mark.reliability(
+    "conversion tools pointed at a folder of the user's (--save, --output-dir)",
+    "refused before any conversion, naming the folder; it is left untouched",
+)
+def test_tools_refuse_a_folder_they_did_not_write(tmp_path, tiny_model_dir):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    result = run_tool("convert_hf_to_torch_dist.py", "--hf-checkpoint", str(tiny_model_dir), "--save", str(mine))
+    assert result.returncode != 0 and f"--save {mine}" in result.stderr, result.stderr[-2000:]
+    result = run_tool(
+        "convert_torch_dist_to_hf.py",
+        "--input-dir", str(tmp_path / "no_checkpoint_needed"),
+        "--output-dir", str(mine),
+        "--origin-hf-dir", str(tiny_model_dir),
+    )  # fmt: skip
+    assert result.returncode != 0 and f"--output-dir {mine}" in result.stderr, result.stderr[-2000:]
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"

@@ -87,6 +87,10 @@ def test_normalize_final_answer(raw, expected):
         ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),  # sqrt(8) = sqrt(4*2) = 2 sqrt(2)
         ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
         ("\\boxed{\\sqrt[3]{8}}", "2", 1.0),
+        ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),  # a set has no order
+        ("\\boxed{(1,2)}", "(2,1)", 0.0),  # a pair has one
+        ("\\boxed{\\log_2 8}", "3", 1.0),  # 2^3 = 8
+        ("\\boxed{1e3}", "1000", 1.0),
         ("\\boxed{42}", 42, 1.0),  # integer label
         ("\\boxed{6}", "so the total is \\boxed{6}", 1.0),  # label is a boxed solution
         ("\\boxed{12}", "21", 0.0),
@@ -104,6 +108,7 @@ def test_math_reward(response, label, expected):
     assert rm(Namespace(rm_type="math"), Sample(response=response, label=label)) == expected
 
 
+@pytest.mark.reliability("a power tower 9^{9^{9^{9}}} as a math answer", "refused before evaluation: scores 0 at once")
 def test_is_equiv_never_hangs_on_power_towers_even_off_the_main_thread():
     # 9^(9^(9^9)) has more digits than atoms in the universe; the guard must refuse it without a timer.
     results = []
@@ -116,6 +121,7 @@ def test_is_equiv_never_hangs_on_power_towers_even_off_the_main_thread():
     assert is_equiv("((7^{999})^{999})^{999}", "0") is False
 
 
+@pytest.mark.reliability("Python code as a math answer", "never evaluated: scores 0")
 def test_is_equiv_does_not_evaluate_python():
     payload = "__import__('os').environ.setdefault('SLIME_RM_HUB_INJECTED','1')"
     assert is_equiv(payload, "1") is False
@@ -245,6 +251,9 @@ def test_metadata_rm_type_overrides_args():
     assert rm(Namespace(rm_type="f1"), sample) == 1.0
 
 
+@pytest.mark.reliability(
+    "unknown --rm-type (maths, boxed_math) or none", "ValueError naming it and listing the valid types"
+)
 def test_unknown_rm_type_lists_valid_types():
     with pytest.raises(ValueError) as error:
         rm(Namespace(rm_type="maths"), Sample(response="1", label="1"))
@@ -259,6 +268,7 @@ def test_unknown_rm_type_lists_valid_types():
         rm(Namespace(), Sample())
 
 
+@pytest.mark.reliability("gpqa label that is no option", "RewardFunctionError naming the rm type and sample index")
 def test_builtin_reward_error_names_type_and_sample():
     sample = Sample(index=5, response="Answer: A", label="purple")
     with pytest.raises(RewardFunctionError, match="reward type 'gpqa' failed on sample index 5") as error:
@@ -318,6 +328,10 @@ def test_batched_rm_per_sample_and_per_group():
         asyncio.run(batched_async_rm(short_args, samples))
 
 
+@pytest.mark.reliability(
+    "--custom-rm-path function that raises (per sample and --group-rm)",
+    "RewardFunctionError naming the path and sample indices, original error chained",
+)
 def test_raising_custom_rm_gives_clear_chained_error():
     args = Namespace(custom_rm_path=f"{__name__}.broken_rm")
     with pytest.raises(RewardFunctionError) as error:
@@ -332,9 +346,72 @@ def test_raising_custom_rm_gives_clear_chained_error():
     assert isinstance(group_error.value.__cause__, KeyError)
 
 
+@pytest.mark.reliability("--custom-rm-path naming a missing module", "ValueError naming the path")
 def test_bad_custom_rm_path_names_it():
     with pytest.raises(ValueError, match="no_such_module_xyz"):
         rm(Namespace(custom_rm_path="no_such_module_xyz.rm"), Sample())
+
+
+USER_RM_MODULE = """
+import sys
+
+
+def rm(args, sample):
+    return 1.0 / len(sample.response)  # ZeroDivisionError on an empty response
+
+
+async def quits(args, sample):
+    sys.exit(3)  # a helper that ends the program
+"""
+
+
+@pytest.fixture
+def user_rm_module(tmp_path, monkeypatch):
+    """A reward module as a user writes it, in its own folder on sys.path."""
+    (tmp_path / "my_user_rewards.py").write_text(USER_RM_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_user_rewards"
+
+
+@pytest.mark.reliability(
+    "--custom-rm-path function from a user module that raises on one sample",
+    "RewardFunctionError naming the dotted path and sample index, original error chained",
+)
+def test_user_module_rm_that_raises_names_path_and_sample(user_rm_module):
+    args = Namespace(custom_rm_path=f"{user_rm_module}.rm")
+    samples = [Sample(index=i, response=r) for i, r in enumerate(["ab", "abcd", "", "a"])]
+    with pytest.raises(RewardFunctionError) as error:
+        asyncio.run(batched_async_rm(args, samples))
+    assert "'my_user_rewards.rm'" in str(error.value) and "sample index 2" in str(error.value)
+    assert isinstance(error.value.__cause__, ZeroDivisionError)
+    assert asyncio.run(batched_async_rm(args, [samples[0], samples[1]])) == [0.5, 0.25]  # 1/2, 1/4
+
+
+@pytest.mark.reliability(
+    "--custom-rm-path function that calls sys.exit() on the rollout's shared event loop",
+    "RewardFunctionError naming the path and sample; the loop keeps serving (it used to die and hang the run)",
+)
+def test_user_rm_calling_sys_exit_cannot_kill_the_shared_loop(user_rm_module):
+    from slime.utils.async_utils import run
+
+    args = Namespace(custom_rm_path=f"{user_rm_module}.quits")
+    outcome = []
+
+    def call():
+        try:
+            run(async_rm(args, Sample(index=9, response="r")))
+        except BaseException as error:  # SystemExit is what must not get through
+            outcome.append(error)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert outcome, "the reward call never returned: the shared event loop died"
+    error = outcome[0]
+    assert isinstance(error, RewardFunctionError), repr(error)
+    assert "'my_user_rewards.quits'" in str(error) and "sample index 9" in str(error)
+    assert isinstance(error.__cause__, SystemExit) and error.__cause__.code == 3
+    assert run(asyncio.sleep(0, result="still serving")) == "still serving"
 
 
 # ---------------------------------------------------------------- remote reward model
@@ -355,6 +432,10 @@ async def reward_server(routes):
         await runner.cleanup()
 
 
+@pytest.mark.reliability(
+    "reward server answering HTTP 500 / 422 / 500-then-200",
+    "5xx retried --rm-max-retries times, 4xx not; final error names URL, status, body",
+)
 def test_remote_rm_against_local_server():
     received = []
     hits = {"fail": 0, "flaky": 0, "bad": 0}
@@ -421,6 +502,7 @@ def test_remote_rm_against_local_server():
     asyncio.run(scenario())
 
 
+@pytest.mark.reliability("--rm-url with nothing listening, or missing", "error naming the URL, or asking for --rm-url")
 def test_remote_rm_unreachable_and_unconfigured():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -430,6 +512,58 @@ def test_remote_rm_unreachable_and_unconfigured():
         rm(args, Sample())
     with pytest.raises(RewardFunctionError, match="--rm-url"):
         rm(Namespace(rm_type="remote_rm"), Sample())
+
+
+@pytest.mark.reliability(
+    "reward server that stalls on the first request, or on every request",
+    "a stalled request times out after --rm-request-timeout-secs and is retried; the last error names the URL",
+)
+def test_remote_rm_times_out_and_retries():
+    hits = {"slow_once": 0, "stalled": 0}
+    release = asyncio.Event()
+
+    async def slow_once(request):
+        hits["slow_once"] += 1
+        if hits["slow_once"] == 1:
+            await release.wait()  # held until the test ends, far past the request timeout
+        return web.json_response({"reward": 0.75})
+
+    async def stalled(request):
+        hits["stalled"] += 1
+        await release.wait()
+        return web.json_response(1.0)
+
+    routes = [web.post("/slow_once", slow_once), web.post("/stalled", stalled)]
+    sample = Sample(index=4, response="2", label="2")
+
+    async def scenario():
+        async with reward_server(routes) as base:
+            try:
+
+                def args(path, **fields):
+                    return Namespace(
+                        rm_type="remote_rm",
+                        rm_url=base + path,
+                        rm_request_timeout_secs=0.5,
+                        rm_retry_delay=0.0,
+                        **fields,
+                    )
+
+                assert await async_rm(args("/slow_once", rm_max_retries=2), sample) == 0.75
+                assert hits["slow_once"] == 2  # the stalled first try timed out, the retry answered
+
+                with pytest.raises(RewardFunctionError) as error:
+                    await async_rm(args("/stalled", rm_max_retries=1), sample)
+                message = str(error.value)
+                assert base + "/stalled" in message and "within 0.5 s" in message and "2 attempt" in message
+                assert "--rm-request-timeout-secs" in message and "sample index 4" in message
+                assert isinstance(error.value.__cause__, RemoteRewardError)
+                assert hits["stalled"] == 2
+            finally:
+                release.set()
+
+    # Bounded, so that a client without a timeout fails here instead of waiting for ever.
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
 
 
 @pytest.mark.parametrize(

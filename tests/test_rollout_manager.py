@@ -1,6 +1,7 @@
 """Two CPU engines behind the real sglang-router on a local Ray cluster, driven by the RolloutManager."""
 
 import json
+import time
 from argparse import Namespace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import create_rollout_manager
 from slime.utils.arguments import parse_args
+from slime.utils.http_utils import get_json, post_json
 from slime.utils.types import Sample
 
 PROMPTS = [f"What is {a} + {b}?" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (4, 4), (6, 6), (8, 8)]]
@@ -104,6 +106,79 @@ def test_saved_rollout_can_be_read_back(manager, tmp_path):
     saved = torch.load(path.format(rollout_id=5), weights_only=False)
     samples = [Sample.from_dict(d) for d in saved["samples"]]
     assert len(samples) == 4 and all(s.rollout_id == 5 for s in samples)
+
+
+def engines_paused(urls):
+    """Pause the engines in place (requests queue, nothing runs) until the block ends."""
+
+    class Paused:
+        def __enter__(self):
+            for url in urls:
+                post_json(f"{url}/pause_generation", {"mode": "in_place"})
+
+        def __exit__(self, *exc):
+            for url in urls:
+                post_json(f"{url}/continue_generation", {})
+
+    return Paused()
+
+
+def num_waiting(urls) -> int:
+    return sum(get_json(f"{url}/get_server_info")["internal_states"][0]["num_waiting_reqs"] for url in urls)
+
+
+def abort_all(urls) -> None:
+    for url in urls:
+        post_json(f"{url}/abort_request", {"abort_all": True})
+
+
+@pytest.mark.reliability(
+    "the engines abort a rollout's requests on their own", "those groups go back to the data source; others fill in"
+)
+def test_groups_the_engines_abort_go_back_and_others_take_their_place(manager, tmp_path):
+    urls = ray.get(manager.get_engine_urls.remote())
+    path = str(tmp_path / "rollout_{rollout_id}.pt")
+    ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", path)))
+    try:
+        with engines_paused(urls):
+            batch_ref = manager.generate.remote(7, 1)
+            deadline = time.time() + 60
+            while num_waiting(urls) < 4:  # the first 2 groups x 2 samples, queued on the paused engines
+                assert time.time() < deadline, "the rollout's requests never reached the engines"
+                time.sleep(0.05)
+            abort_all(urls)
+        metrics = ray.get(batch_ref).metrics
+    finally:
+        ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", None)))
+    assert metrics["rollout/aborted_groups"] >= 2
+    samples = [Sample.from_dict(d) for d in torch.load(path.format(rollout_id=7), weights_only=False)["samples"]]
+    assert len(samples) == 4
+    assert all(s.status.value != "aborted" and s.reward is not None and s.response_length > 0 for s in samples)
+    assert metrics["rollout/unfinished"] == 0.0
+    buffer = ray.get(manager.__ray_call__.remote(lambda self: self.data_source.buffer))
+    assert len(buffer) == metrics["rollout/returned_groups"] >= metrics["rollout/aborted_groups"]
+    assert all(s.status.value == "pending" and s.response_length == 0 for group in buffer for s in group)
+
+
+@pytest.mark.reliability(
+    "the engines abort every request of a rollout", "RuntimeError after 4 x --over-sampling-batch-size groups"
+)
+def test_engines_that_abort_everything_stop_the_rollout(manager):
+    urls = ray.get(manager.get_engine_urls.remote())
+    with engines_paused(urls):
+        batch_ref = manager.generate.remote(8, 1)
+        # Nothing can finish while paused; keep aborting what queues until the rollout gives up.
+        ready = []
+        deadline = time.time() + 120
+        while not ready:
+            assert time.time() < deadline, "the rollout kept drawing groups"
+            abort_all(urls)
+            ready, _ = ray.wait([batch_ref], timeout=0.05)
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"rollout 8: the engines aborted 9 prompt groups"):
+        ray.get(batch_ref)
+    # Every group drawn went back to the data source: none is lost.
+    buffer = ray.get(manager.__ray_call__.remote(lambda self: self.data_source.buffer))
+    assert len(buffer) >= 9
 
 
 def test_killed_engine_is_reported_by_url(manager):

@@ -1,10 +1,12 @@
 """Command-line tools on small inputs."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from slime.utils.types import Sample, Status
@@ -57,3 +59,25 @@ def test_display_rollout_data_summarizes(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "rollout 7: 4 samples in 2 groups | reward mean 0.500" in result.stdout
     assert "'truncated': 1" in result.stdout and "'completed': 3" in result.stdout
+
+
+class MakesAFolderWhenUnpickled:
+    """Unpickling this object runs code: it creates the folder `path`."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.makedirs, (self.path,)
+
+
+@pytest.mark.reliability(
+    "display_rollout_data.py on a file whose unpickling would run code",
+    "refused (weights_only=True) with the type it holds; no code runs",
+)
+def test_display_rollout_data_never_runs_code_from_the_file(tmp_path):
+    ran = tmp_path / "code_ran"
+    torch.save({"rollout_id": 0, "samples": [MakesAFolderWhenUnpickled(str(ran))]}, tmp_path / "rollout_0.pt")
+    result = run_tool("tools/display_rollout_data.py", str(tmp_path / "rollout_0.pt"))
+    assert result.returncode != 0 and "rollout_0.pt holds a" in result.stderr and "makedirs" in result.stderr
+    assert not ran.exists()

@@ -5,7 +5,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from slime.ray.rollout import samples_to_train_data, split_train_data_by_dp
+from slime.ray.rollout import rollout_metrics, samples_to_train_data, split_train_data_by_dp
 from slime.utils.seqlen_balancing import balanced_partitions
 from slime.utils.types import Sample, Status
 
@@ -101,3 +101,22 @@ def test_balance_data_split_uses_token_counts():
     totals = [sum(len(t) for t in shard["tokens"]) for shard in shards]
     assert sorted(totals) == [91, 101]
     assert torch.tensor([len(s["tokens"]) for s in shards]).tolist() == [2, 2]
+
+
+def test_unfinished_sample_counts_as_reward_zero_and_is_not_trained_on():
+    """A custom rollout may return a sample the engine aborted (or that failed) without scoring it."""
+    samples = make_samples([1.0, None, 0.0, 1.0])
+    samples[1].status = Status.ABORTED
+    samples[3].remove_sample = True  # e.g. set by --rollout-sample-filter-path
+    data = samples_to_train_data(make_args(), samples)
+    assert data["raw_reward"] == [1.0, 0.0, 0.0, 1.0]
+    assert data["loss_masks"] == [[1, 1], [0, 0], [1, 1], [0, 0]]
+    metrics = rollout_metrics(samples, None, 1.0)
+    assert metrics["rollout/reward"] == 0.5 and metrics["rollout/unfinished"] == 0.25
+
+
+@pytest.mark.reliability("rollout function returns a finished sample with no reward", "ValueError naming the sample")
+def test_unscored_finished_sample_is_an_error():
+    samples = make_samples([1.0, None])
+    with pytest.raises(ValueError, match=r"sample 1 \(completed\) has no reward.*--custom-rm-path"):
+        samples_to_train_data(make_args(global_batch_size=2), samples)

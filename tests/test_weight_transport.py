@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import base64
 import datetime
+import io
+import os
 import pickle
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
@@ -91,12 +94,68 @@ def test_payload_round_trip_across_processes():
     assert received == expected
 
 
+def _forking_payload(obj) -> str:
+    """`obj` pickled the way serialize_named_tensors pickles, whatever its structure."""
+    buffer, previous = io.BytesIO(), torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+@pytest.mark.reliability("weight payload: not (name, tensor) pairs, or not base64", "ValueError saying what it holds")
 def test_deserialize_rejects_a_payload_without_name_tensor_pairs():
-    not_pairs = base64.b64encode(pickle.dumps({"weight": torch.zeros(2)})).decode("ascii")
     with pytest.raises(ValueError, match="list of \\(name, tensor\\) pairs"):
-        deserialize_named_tensors(not_pairs)
-    with pytest.raises(ValueError):
+        deserialize_named_tensors(_forking_payload({"weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="not base64"):
         deserialize_named_tensors("this is not base64!")
+
+
+class _RunsCommand:
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+class _CallsEval:
+    def __reduce__(self):
+        return eval, ("1 + 1",)
+
+
+def _pickled_global(module: str, name: str) -> str:
+    """A protocol-4 pickle that only looks up module.name (STACK_GLOBAL), base64-encoded."""
+
+    def short_string(text: str) -> bytes:
+        return b"\x8c" + bytes([len(text)]) + text.encode()
+
+    raw = b"\x80\x04" + short_string(module) + short_string(name) + b"\x93."
+    return base64.b64encode(raw).decode("ascii")
+
+
+@pytest.mark.reliability(
+    "weight payload whose pickle calls os.system, eval, or a dotted torch global", "ValueError naming it; nothing runs"
+)
+def test_deserialize_refuses_foreign_globals_before_building_anything(tmp_path):
+    marker = tmp_path / "pwned"
+    real = serialize_named_tensors([("w", torch.ones(3))])
+    attacks = {
+        "posix.system": base64.b64encode(pickle.dumps([("w", _RunsCommand(f"touch {marker}"))])).decode("ascii"),
+        "builtins.eval": base64.b64encode(pickle.dumps([("w", _CallsEval())])).decode("ascii"),
+        # A real pair first, then the attack: the global is refused before the first tensor is rebuilt.
+        "posix.system ": _forking_payload([("w", torch.ones(3)), ("x", _RunsCommand(f"touch {marker}"))]),
+        # Exact names only: a dotted name would reach UntypedStorage.from_file, which maps any file.
+        "torch.storage.UntypedStorage.from_file": _pickled_global("torch.storage", "UntypedStorage.from_file"),
+        "torch._utils._rebuild_tensor_v2": base64.b64encode(pickle.dumps([("w", torch.ones(2))])).decode("ascii"),
+    }
+    for named_global, payload in attacks.items():
+        with pytest.raises(ValueError, match=f"refers to {named_global.strip()},"):
+            deserialize_named_tensors(payload)
+    assert not marker.exists()
+    assert [name for name, _ in deserialize_named_tensors(real)] == ["w"]  # the real thing still loads
 
 
 # ---------------------------------------------------------------- broadcast group

@@ -2,7 +2,8 @@
 
 The model flags default to the ones derived from the HF config.json; Megatron flags given on the
 command line (e.g. a `MODEL_ARGS` array) override them. The result is `SAVE/iter_0000000` plus
-`SAVE/latest_checkpointed_iteration.txt`, loadable under any TP/PP/EP layout.
+`SAVE/latest_checkpointed_iteration.txt`, loadable under any TP/PP/EP layout. The folder is written
+beside SAVE and renamed into place; an existing SAVE is replaced only if it is an earlier slime output.
 
 Usage:
     source scripts/models/qwen3-4B.sh
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -26,6 +28,7 @@ from slime.backends.megatron_utils.config import resolve_family
 from slime.backends.megatron_utils.hf_to_megatron import load_hf_weights, unused_hf_weights
 from slime.backends.megatron_utils.model import build_model
 from slime.backends.megatron_utils.standalone import init_distributed, megatron_flags, model_args, shutdown
+from slime.utils.atomic_dir import check_replaceable, create_staging, on_rank0, publish
 
 logger = logging.getLogger("convert_hf_to_torch_dist")
 
@@ -39,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = model_args(known.hf_checkpoint, megatron_flags(rest))
     family = resolve_family(known.model_name or args.model_name)
+    save = Path(known.save).absolute()
+    check_replaceable(save, "--save")  # before any work
     init_distributed(args)
     model = build_model(args, wrap_with_ddp=False)
     used = load_hf_weights(model, known.hf_checkpoint, family, progress=True)
@@ -49,9 +54,12 @@ def main(argv: list[str] | None = None) -> None:
     if unused and dist.get_rank() == 0:
         logger.warning("%d HF tensors were not converted (not in this model): %s", len(unused), unused[:10])
 
-    final_dir = save_checkpoint(known.save, 0, model)
+    staging = on_rank0(create_staging, save, "torch-dist", "--save")
+    final_dir = save_checkpoint(staging, 0, model)
     if dist.get_rank() == 0:
-        print(f"saved {final_dir}")
+        publish(staging, save, "torch-dist", "--save")
+        print(f"saved {save / final_dir.name}")
+    dist.barrier()
     shutdown()
 
 

@@ -21,7 +21,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="Checkpoint root (with latest_checkpointed_iteration.txt).")
     parser.add_argument("--hf-checkpoint", required=True, help="The HF folder training started from.")
-    parser.add_argument("--output-dir", required=True, help="Where to write the HF folder.")
+    parser.add_argument(
+        "--output-dir",
+        required=True,
+        help="Where to write the HF folder: absent, or an earlier slime export (replaced whole).",
+    )
     parser.add_argument("--ckpt-step", type=int, default=None, help="Iteration to export (default: the latest).")
     parser.add_argument("--model-name", default=None, help="Model family (default: the config's model_type).")
     parser.add_argument("--dtype", default=None, help="Weight dtype, e.g. bfloat16 (default: the HF config's).")

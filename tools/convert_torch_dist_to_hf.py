@@ -23,7 +23,11 @@ from slime.backends.megatron_utils.standalone import export_checkpoint_to_hf, me
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input-dir", required=True, help="torch_dist checkpoint: an iter_XXXXXXX dir or its root.")
-    parser.add_argument("--output-dir", required=True, help="Where to write the HF folder.")
+    parser.add_argument(
+        "--output-dir",
+        required=True,
+        help="Where to write the HF folder: absent, or an earlier slime export (replaced whole).",
+    )
     parser.add_argument("--origin-hf-dir", required=True, help="The HF folder the model came from.")
     parser.add_argument("--model-name", default=None, help="Model family (default: the config's model_type).")
     parser.add_argument("--dtype", default=None, help="Weight dtype, e.g. bfloat16 (default: the origin config's).")

@@ -6,6 +6,8 @@ python tools/display_rollout_data.py outputs/rollout_0.pt --num 4
 from __future__ import annotations
 
 import argparse
+import pickle
+import re
 from collections import Counter
 
 import torch
@@ -31,7 +33,15 @@ def main() -> None:
     parser.add_argument("path")
     parser.add_argument("--num", type=int, default=3, help="samples to print in full")
     args = parser.parse_args()
-    saved = torch.load(args.path, weights_only=False)
+    try:
+        # The files are dicts of lists, strings and numbers: nothing in them needs code to rebuild.
+        saved = torch.load(args.path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        match = re.search(r"GLOBAL (\S+)", str(e))
+        raise SystemExit(
+            f"{args.path} holds a {match.group(1) if match else 'non-plain object'}, not only plain values and "
+            "tensors; this tool does not unpickle such files, as that could run code from them"
+        ) from e
     samples = [Sample.from_dict(d) for d in saved["samples"]]
     print(f"rollout {saved['rollout_id']}: {summarize(samples)}")
     for s in samples[: args.num]:

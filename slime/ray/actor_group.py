@@ -71,6 +71,17 @@ def data_parallel_ranks(args, world_size: int) -> list[int]:
     return [data_parallel_rank(rank, world_size, tp, pp, cp) for rank in range(world_size)]
 
 
+def _answers(actor) -> bool:
+    """False only when the actor is dead (a live rank still busy in a collective counts as alive)."""
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return False
+    except ray.exceptions.GetTimeoutError:
+        pass
+    return True
+
+
 class RayTrainGroup:
     """The training ranks of one role ("actor" or "critic").
 
@@ -112,9 +123,30 @@ class RayTrainGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
+    def wait(self, refs: list, what: str) -> list:
+        """`ray.get(refs)` of per-rank calls; a rank that died is named in a RuntimeError.
+
+        Args:
+            refs: One object ref per rank, in rank order.
+            what: What the ranks were doing, for the message ("training on rollout 3").
+        """
+        try:
+            return ray.get(refs)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            # A rank's death also fails its peers' collectives: name the ranks that are gone.
+            dead = [rank for rank, actor in enumerate(self.actors) if not _answers(actor)]
+            if not dead:
+                raise
+            ranks = ("rank " if len(dead) == 1 else "ranks ") + ", ".join(map(str, dead))
+            resume = f"--load {self.args.save}" if getattr(self.args, "save", None) else "--load <your --save folder>"
+            raise RuntimeError(
+                f"training {ranks} of the {self.role} ({len(self.actors)} ranks) died during {what}; its log is in "
+                f"Ray's session logs (/tmp/ray/session_latest/logs). Resume from the last checkpoint with {resume}"
+            ) from e
+
     def init(self, with_ref: bool = False) -> int:
         """Build models on every rank (loading `--load`); returns the rollout id to start from."""
-        start_ids = ray.get([actor.init.remote(self.args, self.role, with_ref) for actor in self.actors])
+        start_ids = self.wait([actor.init.remote(self.args, self.role, with_ref) for actor in self.actors], "init")
         return start_ids[0]
 
     def rank_shards(self, data_refs: list) -> list:
@@ -133,8 +165,10 @@ class RayTrainGroup:
         shards = self.rank_shards(data_refs)
         return [actor.compute_values.remote(ref) for actor, ref in zip(self.actors, shards, strict=True)]
 
-    def save_model(self, rollout_id: int) -> None:
-        ray.get([actor.save_model.remote(rollout_id) for actor in self.actors])
+    def save_model(self, rollout_id: int, update_tracker: bool = True) -> None:
+        """Every rank writes its part of checkpoint `rollout_id` (the tracker too unless `update_tracker` is False)."""
+        refs = [actor.save_model.remote(rollout_id, update_tracker) for actor in self.actors]
+        self.wait(refs, f"saving rollout {rollout_id}")
 
     def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
         ray.get([actor.connect_rollout_engines.remote(engines, engine_urls) for actor in self.actors])
@@ -143,7 +177,12 @@ class RayTrainGroup:
         """Push the trainer's weights to the engines; a no-op under `--debug-train-only` (there are none)."""
         if self.args.debug_train_only:
             return
-        ray.get([actor.update_weights.remote() for actor in self.actors])
+        self.wait([actor.update_weights.remote() for actor in self.actors], "a weight update")
+
+    def check_weights_equal(self) -> float:
+        """Largest gap between any engine's and the trainer's probe log-probs (raises past the tolerance)."""
+        results = ray.get([actor.check_weights_equal.remote() for actor in self.actors])
+        return float(results[0]["max_abs_diff"])
 
     def offload(self) -> None:
         ray.get([actor.sleep.remote() for actor in self.actors])

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
 from slime.ray.actor_group import RayTrainGroup
 from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import create_rollout_manager
+from slime.utils import run_dir
+from slime.utils.arguments import parse_args
 from slime.utils.tracking import Tracker, configure_logging
+
+# Data sources whose `save` writes `rollout/data_source_<id>.pt` (a custom one may keep its state elsewhere).
+_BUILTIN_DATA_SOURCES = (
+    "slime.rollout.data_source.RolloutDataSource",
+    "slime.rollout.data_source.RolloutDataSourceWithBuffer",
+)
 
 
 @dataclass
@@ -31,9 +43,36 @@ class TrainingRun:
         return self.actor.dp_size if self.actor is not None else 1
 
 
+def check_resume(args) -> int | None:
+    """The step `--load` resumes from, once every part of it is known to be there (None: no checkpoint).
+
+    The tracker names a step only after all its parts were written (`save_checkpoint`), so a part can be
+    missing only when the run is resumed with other flags (e.g. `--use-critic` added) or files were removed.
+
+    Raises:
+        FileNotFoundError: naming the step, the missing parts and the fix.
+    """
+    step = run_dir.committed_step(args.load)
+    if step is None:
+        return None
+    roles = [] if args.debug_rollout_only else ["actor"] + (["critic"] if args.use_critic else [])
+    own_data_source = args.data_source_path in _BUILTIN_DATA_SOURCES and not args.finetune
+    missing = run_dir.missing_parts(args.load, step, roles, own_data_source)
+    if missing:
+        raise FileNotFoundError(
+            f"--load {args.load}: {run_dir.TRACKER_FILE} names step {step}, but its {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing. Resume with the flags the run was saved with "
+            "(e.g. the same --advantage-estimator / --use-critic and --data-source-path), or start a new run "
+            "with another --save. A converted model (tools/convert_hf_to_torch_dist.py) is not a run to resume: "
+            "pass it as --ref-load, or as --load with --finetune"
+        )
+    return step
+
+
 def create_training_run(args) -> TrainingRun:
     """Place devices, start engines and trainers, resume from `--load`, push the first weights."""
     configure_logging()
+    resume_step = check_resume(args)  # before any process starts
     slices = create_placement_groups(args)
     rollout_manager = create_rollout_manager(args, slices["rollout"])
     num_rollout, num_rollout_per_epoch = ray.get(rollout_manager.get_num_rollout.remote())
@@ -60,14 +99,14 @@ def create_training_run(args) -> TrainingRun:
                 ray.get(rollout_manager.onload.remote())
             actor.update_weights()
     elif args.load:
-        ray.get(rollout_manager.load.remote())
+        ray.get(rollout_manager.load.remote(resume_step))
 
     return TrainingRun(
         args=args,
         rollout_manager=rollout_manager,
         actor=actor,
         critic=critic,
-        tracker=Tracker(args),
+        tracker=Tracker(args, start_rollout_id),
         start_rollout_id=start_rollout_id,
         num_rollout=num_rollout,
         num_rollout_per_epoch=num_rollout_per_epoch,
@@ -76,23 +115,69 @@ def create_training_run(args) -> TrainingRun:
 
 def train_one_rollout(run: TrainingRun, rollout_id: int, data_refs: list) -> dict[str, float]:
     """Critic first (its values feed the actor's GAE), then the actor unless still in critic-only steps."""
+    what = f"training on rollout {rollout_id}"
     if run.critic is None:
-        return ray.get(run.actor.async_train(rollout_id, data_refs))[0]
+        return run.actor.wait(run.actor.async_train(rollout_id, data_refs), what)[0]
     values_refs = run.critic.compute_values(data_refs)
     critic_handles = run.critic.async_train(rollout_id, data_refs)
     metrics: dict[str, float] = {}
     if rollout_id >= run.args.num_critic_only_steps:
-        metrics |= ray.get(run.actor.async_train(rollout_id, data_refs, values_refs=values_refs))[0]
-    metrics |= {f"critic/{k.split('/', 1)[-1]}": v for k, v in ray.get(critic_handles)[0].items()}
+        metrics |= run.actor.wait(run.actor.async_train(rollout_id, data_refs, values_refs=values_refs), what)[0]
+    metrics |= {f"critic/{k.split('/', 1)[-1]}": v for k, v in run.critic.wait(critic_handles, what)[0].items()}
     return metrics
 
 
+def update_weights(run: TrainingRun) -> dict[str, float]:
+    """Push the trainer's weights to the engines, including engines restarted by `--use-fault-tolerance`.
+
+    A restarted engine is not in the trainer's weight-update links yet (a broadcast group is formed
+    with the engines it had) and still holds the checkpoint's weights: the trainer reconnects to the
+    engines, pushes, checks every engine's log-probs against its own, and only then is the engine
+    put back into the router.
+    """
+    manager = run.rollout_manager
+    restarted = ray.get(manager.engines_awaiting_weights.remote()) if run.args.use_fault_tolerance else []
+    if restarted:
+        engines, engine_urls = ray.get([manager.get_engines.remote(), manager.get_engine_urls.remote()])
+        run.actor.connect_rollout_engines(engines, engine_urls)
+    run.actor.update_weights()
+    if not restarted:
+        return {}
+    gap = run.actor.check_weights_equal()
+    ray.get(manager.readmit_engines.remote(restarted))
+    return {"rollout/restarted_engine_weight_gap": gap}
+
+
 def save_checkpoint(run: TrainingRun, rollout_id: int) -> None:
-    """Trainer weights/optimizer (and critic), then the data-source position of this rollout."""
-    run.actor.save_model(rollout_id)
+    """Checkpoint `rollout_id` as one unit: actor, critic and data source, then the tracker naming the step.
+
+    Killed before the tracker write, the run resumes from the previous step, all of whose parts are there.
+    """
+    run.actor.save_model(rollout_id, update_tracker=False)
     if run.critic is not None:
-        run.critic.save_model(rollout_id)
+        run.critic.save_model(rollout_id, update_tracker=False)
     ray.get(run.rollout_manager.save.remote(rollout_id))
+    run_dir.commit_step(run.args.save, rollout_id)
+
+
+def run_driver(train_fn: Callable[[Any], None], argv: list[str] | None = None) -> None:
+    """Parse the command line and run `train_fn(args)`; a failure ends with one line naming its cause.
+
+    The traceback (including the remote one Ray carries) is printed first; the last line is the
+    message of the exception that started it, so a user sees what failed without reading Ray's frames.
+    """
+    args = parse_args(argv)
+    try:
+        train_fn(args)
+    except Exception as error:
+        cause = error
+        while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
+            cause = cause.cause
+        traceback.print_exc()
+        # Ray relays the actors' stderr asynchronously: stop it first so the summary really is the last line.
+        ray.shutdown()
+        message = str(cause.args[0]) if cause.args else str(cause)
+        sys.exit(f"slime: {type(cause).__name__}: {message.strip().splitlines()[0] if message.strip() else ''}")
 
 
 def finish(run: TrainingRun) -> None:

@@ -38,19 +38,51 @@ class PlacementSlice:
         )
 
 
-def init_ray(num_cpus: int | None = None) -> None:
+def init_ray(num_cpus: int | None = None, **init_kwargs) -> None:
     """Connect to the cluster in RAY_ADDRESS (as under `ray job submit`), or start a local one.
 
-    A local CPU cluster gets at least `num_cpus` logical CPUs: bundles are slots, not cores,
-    and the real thread budget is set per process.
+    A local cluster listens on 127.0.0.1 only and requires Ray's token authentication (Ray 2.60
+    turns it on for a new local cluster unless RAY_AUTH_MODE says otherwise, and keeps the token in
+    ~/.ray/auth_token), so it takes no jobs from the network. It gets at least `num_cpus` logical CPUs: bundles are slots, not cores, and the real
+    thread budget is set per process.
+
+    Args:
+        num_cpus: Fewest logical CPUs of a local cluster.
+        init_kwargs: Passed to `ray.init` for a local cluster (e.g. `log_to_driver=False`).
     """
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
         return
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        logger.warning(
+            "RAY_AUTH_MODE=%s: the local Ray cluster runs without token authentication", os.environ["RAY_AUTH_MODE"]
+        )
+    bind_ray_to_loopback()
     logical_cpus = max(os.cpu_count() or 1, num_cpus or 0)
-    ray.init(address="local", num_cpus=logical_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(
+        address="local",
+        num_cpus=logical_cpus,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        _node_ip_address="127.0.0.1",
+        **init_kwargs,
+    )
+
+
+def bind_ray_to_loopback() -> None:
+    """Make the Ray processes this process starts (GCS, raylet, workers) listen on 127.0.0.1 only.
+
+    Ray turns a loopback node address into the machine's interface address unless its "no multi-host
+    cluster" switch is off, and then its servers listen on every interface. The switch is read from
+    the environment by each Ray process at import, so it is set there for the processes to come and
+    on the already-imported module of this one.
+    """
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 @ray.remote(num_cpus=0)

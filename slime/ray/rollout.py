@@ -6,9 +6,11 @@ splits it across data-parallel ranks and returns one object ref per rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,10 +20,14 @@ import ray
 import torch
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
+from slime.backends.sglang_utils.http_client import EngineClient
+from slime.backends.sglang_utils.sglang_engine import engine_api_key
+from slime.ray.engine_health import EngineHealthMonitor
 from slime.ray.placement_group import PlacementSlice
-from slime.ray.router import add_worker, start_router, wait_for_workers
+from slime.ray.router import add_worker, remove_worker, router_is_healthy, start_router, wait_for_workers
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import compute_num_rollout
+from slime.rollout.rm_hub import pop_reward_metrics
 from slime.utils.misc import load_function
 from slime.utils.ppo_utils import normalize_group_rewards
 from slime.utils.seqlen_balancing import balanced_partitions
@@ -50,7 +56,9 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
 
     Returns:
         dict with tokens, response_lengths, rewards, raw_reward, truncated, loss_masks,
-        rollout_log_probs (when every sample has them) and sample_indices.
+        rollout_log_probs (when every sample has them) and sample_indices. A sample with `remove_sample`
+        set, or an `unfinished` one (aborted or failed, never scored; reward 0), keeps its place in its
+        group but gets an all-zero loss mask.
     """
     if args.custom_reward_post_process_path:
         raw_rewards, rewards = load_function(args.custom_reward_post_process_path)(args, samples)
@@ -76,11 +84,13 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
         "loss_masks": [s.loss_mask if s.loss_mask is not None else [1] * s.response_length for s in samples],
         "sample_indices": [s.index for s in samples],
     }
-    for s, mask in zip(samples, data["loss_masks"], strict=True):
+    for i, (s, mask) in enumerate(zip(samples, data["loss_masks"], strict=True)):
         if len(mask) != s.response_length:
             raise ValueError(
                 f"sample {s.index}: loss_mask has {len(mask)} entries for {s.response_length} response tokens"
             )
+        if s.remove_sample or s.unfinished:
+            data["loss_masks"][i] = [0] * s.response_length
     if all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [s.rollout_log_probs for s in samples]
     return data
@@ -119,7 +129,7 @@ def split_train_data_by_dp(args, data: dict[str, list], dp_size: int) -> list[di
 
 
 def rollout_metrics(samples: list[Sample], reward_key: str | None, elapsed: float) -> dict[str, float]:
-    """Reward, length, truncation and throughput figures of one rollout."""
+    """Reward, length, truncation and throughput figures of one rollout (`unfinished` samples count as reward 0)."""
     rewards = [s.get_reward_value(reward_key) for s in samples]
     lengths = [s.response_length for s in samples]
     n = max(len(samples), 1)
@@ -128,6 +138,7 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None, elapsed: floa
         "rollout/response_length": sum(lengths) / n,
         "rollout/response_length_max": float(max(lengths, default=0)),
         "rollout/truncated": sum(s.status == Status.TRUNCATED for s in samples) / n,
+        "rollout/unfinished": sum(s.unfinished for s in samples) / n,
         "rollout/time": elapsed,
         "rollout/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
     }
@@ -142,6 +153,12 @@ class RolloutManager:
         self.engines: list = []
         self.engine_urls: list[str] = []
         self.state_before_rollout: tuple[int, dict] | None = None  # (rollout id, data source state)
+        # --use-fault-tolerance: engines being restarted, restarted ones not yet given the current weights.
+        self.monitor: EngineHealthMonitor | None = None
+        self.num_engine_restarts = 0
+        self._recovering: set[int] = set()
+        self._awaiting_weights: set[int] = set()
+        self._recovery_changed = threading.Condition()
         if not args.debug_train_only:
             self._start_engines(rollout_slice)
         self.data_source = load_function(args.data_source_path)(args)
@@ -158,33 +175,106 @@ class RolloutManager:
         args.sglang_router_ip, args.sglang_router_port = router_address.hostname, router_address.port
         per_engine = args.rollout_num_gpus_per_engine
         num_engines = max(1, len(rollout_slice) // per_engine)
-        engine_cls = ray.remote(RolloutEngine)
-        # Colocated engines share each bundle with a trainer rank, so each takes a fraction of it.
-        share = 0.2 if args.colocate else 1.0
-        for rank in range(num_engines):
-            options: dict[str, Any] = {"num_cpus": share}
-            kwargs: dict[str, Any] = {"backend": args.rollout_backend}
-            if rollout_slice.use_gpu:
-                options |= {
-                    "num_gpus": share,
-                    "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
-                }
-                kwargs["base_gpu_id"] = rollout_slice.gpu_ids[rank * per_engine]
-            if rollout_slice.pg is not None:
-                options["scheduling_strategy"] = rollout_slice.strategy(rank * per_engine)
-            self.engines.append(engine_cls.options(**options).remote(args, rank, **kwargs))
+        self.rollout_slice = rollout_slice
+        self.engines = [self._create_engine(rank) for rank in range(num_engines)]
         try:
             self.engine_urls = ray.get(
                 [engine.start.remote(timeout=args.rollout_engine_start_timeout) for engine in self.engines]
             )
             for url in self.engine_urls:
-                add_worker(self.router.url, url)
+                add_worker(self.router.url, url, api_key=engine_api_key(args))
             wait_for_workers(self.router.url, self.engine_urls, timeout=args.rollout_engine_start_timeout)
         except Exception:
             self.dispose()
             raise
         args.rollout_engine_urls = self.engine_urls
         logger.info("router %s with engines %s", self.router.url, self.engine_urls)
+        if args.use_fault_tolerance:
+            self.monitor = EngineHealthMonitor(
+                lambda: [self._engine_client(url) for url in self.engine_urls],
+                self._recover_engine,
+                interval=args.rollout_health_check_interval,
+                timeout=args.rollout_health_check_timeout,
+                first_wait=args.rollout_health_check_first_wait,
+            )
+            self.monitor.start()
+
+    def _create_engine(self, rank: int):
+        """A RolloutEngine actor for engine `rank`, pinned to that engine's first bundle."""
+        args, rollout_slice = self.args, self.rollout_slice
+        per_engine = args.rollout_num_gpus_per_engine
+        # Colocated engines share each bundle with a trainer rank, so each takes a fraction of it.
+        share = 0.2 if args.colocate else 1.0
+        options: dict[str, Any] = {"num_cpus": share}
+        kwargs: dict[str, Any] = {"backend": args.rollout_backend}
+        if rollout_slice.use_gpu:
+            options |= {
+                "num_gpus": share,
+                "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+            }
+            kwargs["base_gpu_id"] = rollout_slice.gpu_ids[rank * per_engine]
+        if rollout_slice.pg is not None:
+            options["scheduling_strategy"] = rollout_slice.strategy(rank * per_engine)
+        return ray.remote(RolloutEngine).options(**options).remote(args, rank, **kwargs)
+
+    def _engine_client(self, url: str) -> EngineClient:
+        return EngineClient(url, api_key=engine_api_key(self.args))
+
+    # ---- fault tolerance -----------------------------------------------------------------
+    def _recover_engine(self, index: int, reason: str) -> None:
+        """Take a failed engine out of the router and restart it on its own bundle (monitor thread).
+
+        The restarted engine still serves the checkpoint's weights, so it only goes back into the
+        router in `readmit_engines`, after the trainer has pushed the current weights to it.
+        """
+        with self._recovery_changed:
+            self._recovering.add(index)
+        url = self.engine_urls[index]
+        try:
+            logger.warning("engine %d (%s) failed (%s): restarting it", index, url, reason)
+            with contextlib.suppress(ValueError):  # not registered (yet): nothing to remove
+                remove_worker(self.router.url, url)
+            engine = self.engines[index]
+            try:
+                ray.get(engine.shutdown.remote(), timeout=60)
+            except Exception:  # the actor itself is gone or stuck: replace it on the same bundle
+                ray.kill(engine, no_restart=True)
+                engine = self._create_engine(index)
+            new_url = ray.get(engine.start.remote(timeout=self.args.rollout_engine_start_timeout))
+            self.engines[index], self.engine_urls[index] = engine, new_url
+            self.args.rollout_engine_urls = self.engine_urls
+            with self._recovery_changed:
+                self._awaiting_weights.add(index)
+                self.num_engine_restarts += 1
+            logger.warning(
+                "engine %d restarted at %s; it rejoins the router after the next weight push", index, new_url
+            )
+        finally:
+            with self._recovery_changed:
+                self._recovering.discard(index)
+                self._recovery_changed.notify_all()
+
+    def engines_awaiting_weights(self, timeout: float | None = None) -> list[int]:
+        """Indices of restarted engines that need the current weights, once running restarts are done.
+
+        Raises:
+            TimeoutError: A restart is still running after `timeout` seconds.
+        """
+        timeout = self.args.rollout_engine_start_timeout + 120 if timeout is None else timeout
+        with self._recovery_changed:
+            if not self._recovery_changed.wait_for(lambda: not self._recovering, timeout=timeout):
+                raise TimeoutError(f"engines {sorted(self._recovering)} are still restarting after {timeout:.0f} s")
+            return sorted(self._awaiting_weights)
+
+    def readmit_engines(self, indices: list[int]) -> None:
+        """Put restarted engines, which now hold the current weights, back into the router."""
+        urls = [self.engine_urls[i] for i in indices]
+        for url in urls:
+            add_worker(self.router.url, url, api_key=engine_api_key(self.args))
+        wait_for_workers(self.router.url, urls, timeout=self.args.rollout_engine_start_timeout)
+        with self._recovery_changed:
+            self._awaiting_weights -= set(indices)
+        logger.info("engines %s are back in the router", urls)
 
     def get_engines(self) -> list:
         return self.engines
@@ -197,39 +287,53 @@ class RolloutManager:
         per_epoch = max(len(self.data_source) // self.args.rollout_batch_size, 1)
         return self.args.num_rollout, per_epoch
 
-    def dead_engines(self) -> list[str]:
-        """URLs of engines whose server process is no longer alive."""
+    def dead_engines(self) -> list[int]:
+        """Indices of engines whose server process is no longer alive."""
         dead = []
-        for engine, url in zip(self.engines, self.engine_urls, strict=True):
+        for index, engine in enumerate(self.engines):
             try:
                 alive = ray.get(engine.is_alive.remote(), timeout=30)
             except Exception:  # the actor itself is gone
                 alive = False
             if not alive:
-                dead.append(url)
+                dead.append(index)
         return dead
 
     def _call_rollout_fn(self, fn, rollout_id: int, evaluation: bool):
         try:
             output = fn(self.args, rollout_id, self.data_source, evaluation=evaluation)
         except Exception as e:
-            dead = self.dead_engines() if self.engines else []
-            if dead:
-                raise RuntimeError(self._dead_engines_message(rollout_id, dead) + f" ({type(e).__name__}: {e})") from e
+            problem = self._serving_problem(rollout_id)
+            if problem:
+                raise RuntimeError(f"{problem} (the rollout failed with {type(e).__name__}: {e})") from e
             raise
+        if self.monitor is not None:
+            # Let restarts finish, so offloading and the next weight push see every engine.
+            self.engines_awaiting_weights()
+            return output
         # The router may have retried a dead engine's requests elsewhere; the run still cannot go on without it
         # (weight updates would miss it), so a death is an error even when the rollout itself succeeded.
-        dead = self.dead_engines() if self.engines else []
-        if dead:
-            raise RuntimeError(self._dead_engines_message(rollout_id, dead))
+        problem = self._serving_problem(rollout_id)
+        if problem:
+            raise RuntimeError(problem)
         return output
 
-    @staticmethod
-    def _dead_engines_message(rollout_id: int, dead: list[str]) -> str:
-        return (
-            f"rollout {rollout_id}: inference engine(s) {dead} died. Check the engine logs "
-            "(server_log_dir, default $TMPDIR/slime_logs) and resume from the last checkpoint with --load"
+    def _serving_problem(self, rollout_id: int) -> str | None:
+        """What stops the engines from serving: a dead router or dead engines (None when all is well)."""
+        if self.router is not None and not router_is_healthy(self.router):
+            return (
+                f"rollout {rollout_id}: {self.router.describe_failure()}; resume from the last checkpoint with --load"
+            )
+        dead = self.dead_engines() if self.engines else []
+        if not dead:
+            return None
+        names = ", ".join(f"engine {i} ({self.engine_urls[i]})" for i in dead)
+        fix = (
+            "they could not be restarted in time"
+            if self.monitor is not None
+            else "pass --use-fault-tolerance to restart dead engines and go on"
         )
+        return f"rollout {rollout_id}: inference {names} died; {fix}. Check the engine logs (in $TMPDIR/slime_logs) and resume from the last checkpoint with --load"
 
     # ---- rollout -------------------------------------------------------------------------
     def generate(self, rollout_id: int, dp_size: int = 1) -> RolloutBatch:
@@ -251,6 +355,9 @@ class RolloutManager:
             self._save_debug_rollout_data(rollout_id, samples)
 
         metrics = {**rollout_metrics(samples, self.args.reward_key, elapsed), **extra_metrics}
+        metrics |= pop_reward_metrics()
+        if self.monitor is not None:
+            metrics["rollout/engine_restarts"] = self.num_engine_restarts
         if self.args.debug_rollout_only:
             return RolloutBatch(rollout_id, [], metrics)
         data = samples_to_train_data(self.args, samples)
@@ -281,7 +388,7 @@ class RolloutManager:
         path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
         if not os.path.exists(path):
             raise FileNotFoundError(f"--load-debug-rollout-data: no file {path} for rollout {rollout_id}")
-        return [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
+        return [Sample.from_dict(d) for d in torch.load(path, weights_only=True)["samples"]]
 
     # ---- checkpoint & memory -------------------------------------------------------------
     def save(self, rollout_id: int) -> None:
@@ -305,13 +412,20 @@ class RolloutManager:
         self.data_source.load(rollout_id)
 
     def offload(self) -> None:
+        if self.monitor is not None:
+            self.monitor.pause()  # released engines answer health checks with 503 by design
         ray.get([engine.release_memory_occupation.remote() for engine in self.engines])
 
     def onload(self) -> None:
         ray.get([engine.resume_memory_occupation.remote() for engine in self.engines])
+        if self.monitor is not None:
+            self.monitor.resume()
 
     def dispose(self) -> None:
         """Stop engines and router; leaves no process behind."""
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
         if self.engines:
             ray.get([engine.shutdown.remote() for engine in self.engines])
             for engine in self.engines:

@@ -78,6 +78,12 @@ class RouterHandle:
     process: Popen | None = None
     log_path: Path | None = None
 
+    def describe_failure(self) -> str:
+        """One line on why the router does not serve: its process exited, or it does not answer."""
+        if self.process is not None and self.process.poll() is not None:
+            return f"the router at {self.url} died (exit code {self.process.returncode}; log: {self.log_path})"
+        return f"the router at {self.url} does not answer GET /health"
+
     def stop(self) -> None:
         """Terminate the router if slime launched it; an external router is left running."""
         if self.process is not None:
@@ -144,6 +150,13 @@ def start_router(args: argparse.Namespace, startup_timeout: float = 60.0) -> Rou
     return RouterHandle(url=url, process=process, log_path=log_path)
 
 
+def router_is_healthy(router: RouterHandle) -> bool:
+    """The router's process (if slime launched it) runs and it answers GET /health."""
+    if router.process is not None and router.process.poll() is not None:
+        return False
+    return _is_healthy(router.url)
+
+
 def _is_healthy(url: str) -> bool:
     try:
         get_json(f"{url}/health", timeout=5.0, max_retries=0)
@@ -157,11 +170,19 @@ def list_workers(router_url: str) -> list[dict[str, Any]]:
     return get_json(f"{router_url}/workers")["workers"]
 
 
-def add_worker(router_url: str, worker_url: str) -> str:
+def add_worker(router_url: str, worker_url: str, api_key: str | None = None) -> str:
     """Ask the router to add `worker_url`; the router adds it in the background (see `wait_for_workers`).
 
     A URL the router already lists is left alone: posting it again would queue a background add job
     that re-adds the worker if it is removed before the job runs.
+
+    Args:
+        router_url: The router's base URL.
+        worker_url: The engine's base URL.
+        api_key: The engine's `--api-key` (slime: `--sglang-api-key`). sglang-router 0.3.2 then sends
+            `Authorization: Bearer <key>` on everything it forwards to this worker and on its
+            /model_info and /server_info probes (its /health probe goes without, which engines allow).
+            The router's own `--api-key` is another thing: it makes the router demand a key from its clients.
 
     Returns:
         The router's id for the worker.
@@ -169,7 +190,8 @@ def add_worker(router_url: str, worker_url: str) -> str:
     for worker in list_workers(router_url):
         if worker["url"].rstrip("/") == worker_url.rstrip("/"):
             return worker["id"]
-    response = request_json("POST", f"{router_url}/workers", {"url": worker_url})
+    body = {"url": worker_url} | ({"api_key": api_key} if api_key else {})
+    response = request_json("POST", f"{router_url}/workers", body)
     return response["worker_id"]
 
 

@@ -116,7 +116,8 @@ class TrainRayActor:
         """Train on this rank's share of one rollout; return metrics (same on every rank)."""
         raise NotImplementedError
 
-    def save_model(self, rollout_id: int) -> None:
+    def save_model(self, rollout_id: int, update_tracker: bool = True) -> None:
+        """Write this role's part of checkpoint `rollout_id`; `update_tracker=False` leaves the tracker to the driver."""
         raise NotImplementedError
 
     def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 import re
 import tempfile
 from typing import Any
@@ -23,6 +24,12 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 _CHECKPOINT_NAME = re.compile(r"^data_source_(\d+)\.pt$")
+
+
+def _refused_type(error: pickle.UnpicklingError) -> str:
+    """The type `torch.load(weights_only=True)` refused, from its message."""
+    match = re.search(r"GLOBAL (\S+)", str(error))
+    return match.group(1) if match else "an object that is not a plain value or tensor"
 
 
 def compute_num_rollout(args: Any, dataset_len: int) -> int:
@@ -183,11 +190,17 @@ class RolloutDataSource:
     def save(self, rollout_id: int) -> str:
         """Write the state to `{--save}/rollout/data_source_{rollout_id}.pt`, atomically.
 
+        The file must load with `torch.load(weights_only=True)` (plain Python values and tensors), so that
+        resuming never runs code from a file; this is checked before the file takes its real name.
+
         Args:
             rollout_id: The rollout step just finished.
 
         Returns:
             The path written.
+
+        Raises:
+            TypeError: the state (e.g. sample metadata in the buffer) holds other objects.
         """
         if self.args.save is None:
             raise ValueError("saving the data source needs --save (the checkpoint directory)")
@@ -201,6 +214,14 @@ class RolloutDataSource:
                 torch.save(self.state_dict(), f)
                 f.flush()
                 os.fsync(f.fileno())
+            try:
+                torch.load(tmp_path, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise TypeError(
+                    f"the data source state of rollout {rollout_id} holds objects a checkpoint cannot store safely "
+                    f"(a {_refused_type(e)}); keep Sample.metadata / label / reward of samples put back "
+                    "into the buffer to plain Python values (str, int, float, bool, None, list, dict) and tensors"
+                ) from e
             os.replace(tmp_path, path)
         except BaseException:
             if os.path.exists(tmp_path):
@@ -231,8 +252,15 @@ class RolloutDataSource:
                 f"(found rollouts: {saved_ids or 'none'}); pass an existing rollout id or check --load"
             )
         path = os.path.join(directory, f"data_source_{rollout_id}.pt")
-        # Our own file, and the buffer may hold arbitrary user metadata, which weights_only would reject.
-        self.load_state_dict(torch.load(path, weights_only=False))
+        try:
+            state = torch.load(path, weights_only=True)  # `save` wrote only plain values and tensors
+        except pickle.UnpicklingError as e:
+            raise ValueError(
+                f"{path} holds objects beyond plain Python values and tensors (a {_refused_type(e)}); "
+                "slime does not unpickle them, as that could run code from the file. It was not written by this "
+                "version of slime's data source: resume from a checkpoint it wrote, or start a new run"
+            ) from e
+        self.load_state_dict(state)
         start_rollout_id = getattr(self.args, "start_rollout_id", None)
         if start_rollout_id is not None and start_rollout_id != rollout_id + 1:
             logger.warning(

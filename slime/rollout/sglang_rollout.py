@@ -6,7 +6,9 @@ Train: takes prompt groups from the data source (over-sampling when a dynamic fi
 generates `n_samples_per_prompt` responses per prompt with at most `--sglang-server-concurrency`
 requests in flight per engine, scores them, and stops once `--rollout-batch-size` groups are kept.
 Requests still running then are aborted and their groups go back to the data source (with their
-partial responses under `--partial-rollout`).
+partial responses under `--partial-rollout`); so does a group the engine aborted on its own, and
+another group is drawn in its place. Without `--rollout-max-response-len` a response may fill the
+context (`--rollout-max-context-len`, else the engine's).
 
 Eval: every `--eval-prompt-data` set, `--n-samples-per-eval-prompt` responses per prompt.
 """
@@ -20,8 +22,9 @@ import time
 from typing import Any
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
+from slime.backends.sglang_utils.sglang_engine import engine_api_key
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.async_utils import run
@@ -48,6 +51,7 @@ class RolloutState:
             load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
         )
         self.eval_datasets: dict[str, Dataset] = {}
+        self.context_limits = {evaluation: context_limit(args, evaluation) for evaluation in (False, True)}
 
     async def ensure_started(self) -> None:
         # Created lazily on the shared loop: a semaphore belongs to one loop.
@@ -65,18 +69,48 @@ def get_state(args) -> RolloutState:
     return _STATE
 
 
+def engine_context_length(args) -> int:
+    """Most prompt + response tokens an engine holds.
+
+    `--sglang-context-length` on the SGLang backend, else the model config's `max_position_embeddings`
+    (what SGLang and the CPU engine read), else 4096 (the CPU engine's fallback).
+    """
+    override = (getattr(args, "sglang_server_args", None) or {}).get("context_length")
+    if override and getattr(args, "rollout_backend", "sglang") != "cpu":  # the CPU engine ignores --sglang-*
+        return int(override)
+    config = AutoConfig.from_pretrained(args.hf_checkpoint)
+    config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
+    return int(getattr(config, "max_position_embeddings", None) or 4096)
+
+
+def context_limit(args, evaluation: bool = False) -> int:
+    """Most prompt + response tokens one request may reach: `--rollout-max-context-len` (`--eval-max-context-len`
+    in eval), never more than the engine holds."""
+    # SGLang refuses a request whose prompt + max_new_tokens reaches its context length, hence the - 1.
+    limit = engine_context_length(args) - 1
+    requested = (getattr(args, "eval_max_context_len", None) if evaluation else None) or getattr(
+        args, "rollout_max_context_len", None
+    )
+    return limit if requested is None else min(requested, limit)
+
+
 def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
-    """SGLang sampling params from the `--rollout-*` flags (the `--eval-*` ones override them in eval)."""
+    """SGLang sampling params from the `--rollout-*` flags (the `--eval-*` ones override them in eval).
+
+    `max_new_tokens` is `--rollout-max-response-len`; unset, responses are capped only by the context, so it is
+    `context_limit`, which `generate` lowers to what the prompt leaves.
+    """
 
     def pick(eval_name: str, rollout_value):
         value = getattr(args, eval_name, None) if evaluation else None
         return rollout_value if value is None else value
 
+    max_new_tokens = pick("eval_max_response_len", args.rollout_max_response_len)
     params = {
         "temperature": pick("eval_temperature", args.rollout_temperature),
         "top_p": pick("eval_top_p", args.rollout_top_p),
         "top_k": pick("eval_top_k", args.rollout_top_k),
-        "max_new_tokens": pick("eval_max_response_len", args.rollout_max_response_len),
+        "max_new_tokens": context_limit(args, evaluation) if max_new_tokens is None else max_new_tokens,
         "skip_special_tokens": args.rollout_skip_special_tokens,
         "no_stop_trim": True,
     }
@@ -96,8 +130,28 @@ def _prompt_token_ids(tokenizer, prompt: str | list[dict[str, Any]]) -> list[int
     return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
-async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
-    """Generate (or, for a partial rollout, continue) one response through the router."""
+def engine_failover_window(args) -> float:
+    """Seconds a request keeps being retried while a failed engine is found and taken out of the router.
+
+    0 without `--use-fault-tolerance`; otherwise long enough for the health monitor's next round
+    (interval + probe timeout) plus a margin.
+    """
+    if not getattr(args, "use_fault_tolerance", False):
+        return 0.0
+    return (
+        args.rollout_health_check_first_wait
+        + args.rollout_health_check_interval
+        + args.rollout_health_check_timeout
+        + 30.0
+    )
+
+
+async def generate(args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False) -> Sample:
+    """Generate (or, for a partial rollout, continue) one response through the router.
+
+    Raises:
+        ValueError: The prompt leaves no room for a response in the context.
+    """
     state = get_state(args)
     params = dict(sampling_params)
     if sample.response_length == 0:
@@ -106,13 +160,24 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
         params["max_new_tokens"] -= sample.response_length
         if args.mask_offpolicy_in_partial_rollout and sample.loss_mask:
             sample.loss_mask = [0] * len(sample.loss_mask)
+    limit = state.context_limits[evaluation]
+    room = limit - len(sample.tokens)
+    if sample.response_length == 0 and room <= 0:
+        raise ValueError(
+            f"sample {sample.index}: the prompt has {len(sample.tokens)} tokens, which leaves no room for a response "
+            f"in the context limit of {limit} tokens; drop long prompts with --rollout-max-prompt-len "
+            "(--eval-max-prompt-len in eval) or raise --rollout-max-context-len / --sglang-context-length"
+        )
+    params["max_new_tokens"] = min(params["max_new_tokens"], room)
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
         return sample
 
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
-    output = await async_post_json(url, payload, timeout=args.sglang_router_request_timeout_secs)
+    output = await async_post_json(
+        url, payload, timeout=args.sglang_router_request_timeout_secs, retry_failures_for=engine_failover_window(args)
+    )
 
     meta = output["meta_info"]
     token_logprobs = meta.get("output_token_logprobs") or []
@@ -131,7 +196,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
         if state.custom_generate is not None:
             result = await maybe_await(state.custom_generate(args, sample, sampling_params))
         else:
-            result = await generate(args, sample, sampling_params)
+            result = await generate(args, sample, sampling_params, evaluation)
     samples = result if isinstance(result, list) else [result]
     if not args.group_rm:
         for s in samples:
@@ -154,9 +219,11 @@ async def generate_and_rm_group(
 
 async def abort_engines(args) -> None:
     """Ask every engine to abort all its requests (the router does not forward /abort_request)."""
+    api_key = engine_api_key(args)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     for url in getattr(args, "rollout_engine_urls", []):
         try:
-            await async_post_json(f"{url}/abort_request", {"abort_all": True}, max_retries=0)
+            await async_post_json(f"{url}/abort_request", {"abort_all": True}, max_retries=0, headers=headers)
         except (HTTPRequestError, ConnectionError) as e:
             logger.warning("abort_request on %s failed: %s", url, e)
 
@@ -176,6 +243,11 @@ def _partial_or_fresh(sample: Sample) -> Sample:
         return _fresh_copy(sample)
     sample.status, sample.reward = Status.PENDING, None
     return sample
+
+
+# A rollout gives up once the engines abort this many times --over-sampling-batch-size groups: one pause (e.g. a
+# weight update) aborts at most the groups in flight, fewer than two fetches; more means the engines are failing.
+_ABORTED_GROUPS_PER_FETCH = 4
 
 
 def _return_to_data_source(args, groups: list[list[Sample]], data_source) -> int:
@@ -201,7 +273,8 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
     kept: list[list[Sample]] = []
     pending: set[asyncio.Task] = set()
     unused: list[list[Sample]] = []  # groups generated beyond the target, or aborted
-    num_dropped = num_submitted = 0
+    num_dropped = num_submitted = num_aborted = 0
+    max_aborted = _ABORTED_GROUPS_PER_FETCH * fetch_size
     started = time.time()
     progress = tqdm(total=target, desc=f"rollout {rollout_id}", unit="group", leave=False)
     try:
@@ -215,6 +288,18 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 group = task.result()
+                if any(s.status == Status.ABORTED for s in group):
+                    # The engine ended a request on its own (a pause for a weight update, an engine error): the
+                    # group has no reward to learn from, so it goes back to the data source and another takes its
+                    # place, as for the groups this rollout aborts at its end.
+                    unused.append(group)
+                    num_aborted += 1
+                    if num_aborted > max_aborted:
+                        raise RuntimeError(
+                            f"rollout {rollout_id}: the engines aborted {num_aborted} prompt groups before "
+                            f"{target} could be kept; check the engine logs (in $TMPDIR/slime_logs)"
+                        )
+                    continue
                 if len(kept) >= target:
                     unused.append(group)
                     continue
@@ -239,6 +324,7 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
         "rollout/submitted_groups": float(num_submitted),
         "rollout/dropped_groups": float(num_dropped),
         "rollout/returned_groups": float(num_returned),
+        "rollout/aborted_groups": float(num_aborted),
         "rollout/generate_time": time.time() - started,
     }
     return RolloutFnTrainOutput(samples=kept, metrics=metrics)

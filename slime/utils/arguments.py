@@ -345,6 +345,12 @@ def _add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         default=32,
         help="Requests a CPU rollout engine decodes together in one batch.",
     )
+    group.add_argument(
+        "--cpu-engine-max-queued-requests",
+        type=int,
+        default=4096,
+        help="Requests a CPU rollout engine keeps waiting for a batch slot; more get HTTP 503 with Retry-After.",
+    )
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -535,9 +541,19 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rollout-temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
     group.add_argument("--rollout-top-p", type=float, default=1.0, help="Nucleus sampling threshold.")
     group.add_argument("--rollout-top-k", type=int, default=-1, help="Top-k sampling; -1 disables it.")
-    group.add_argument("--rollout-max-context-len", type=int, default=None, help="Prompt + response token limit.")
+    group.add_argument(
+        "--rollout-max-context-len",
+        type=int,
+        default=None,
+        help="Prompt + response token limit (default: the engine's).",
+    )
     group.add_argument("--rollout-max-prompt-len", type=int, default=None, help="Drop prompts longer than this.")
-    group.add_argument("--rollout-max-response-len", type=int, default=None, help="Max new tokens per response.")
+    group.add_argument(
+        "--rollout-max-response-len",
+        type=int,
+        default=None,
+        help="Max new tokens per response (default: whatever the context leaves after the prompt).",
+    )
     group.add_argument(
         "--rollout-skip-special-tokens", action="store_true", help="Strip special tokens from response text."
     )
@@ -743,6 +759,22 @@ def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--eval-reward-key", default=None, help="Same for eval (default: --reward-key).")
     group.add_argument("--group-rm", action="store_true", help="Score a whole group in one reward call.")
     group.add_argument("--rm-url", default=None, help="URL of a remote reward model (--rm-type remote_rm).")
+    group.add_argument(
+        "--rm-request-timeout-secs", type=float, default=120.0, help="Per-request limit for --rm-url; then retried."
+    )
+    group.add_argument(
+        "--rm-max-retries", type=int, default=3, help="Retries of a --rm-url request (timeouts, 5xx, no connection)."
+    )
+    group.add_argument("--rm-retry-delay", type=float, default=1.0, help="Seconds before the first retry, doubled.")
+    group.add_argument(
+        "--rm-timeout-secs",
+        type=float,
+        default=5.0,
+        help="Per-answer limit of the math/deepscaler/dapo graders; past it the worker is killed, the answer wrong.",
+    )
+    group.add_argument(
+        "--rm-num-workers", type=int, default=1, help="Processes grading math answers (started on first use)."
+    )
     group.add_argument("--custom-rm-path", default=None, help="async rm(args, sample) -> float.")
     group.add_argument(
         "--custom-reward-post-process-path", default=None, help="f(args, samples) -> (raw_rewards, rewards)."
@@ -1273,6 +1305,9 @@ def _validate_data(args: argparse.Namespace) -> None:
         _fail("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of a micro-batch).")
     if args.log_probs_max_tokens_per_gpu is None:
         args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
+    if args.reward_key is None and (args.rm_type or "").strip() == "dapo" and not args.custom_rm_path:
+        # dapo scores {"score", "acc", "pred"}: train on "score", as upstream's dapo recipes pass --reward-key.
+        args.reward_key = "score"
     if args.eval_function_path is None:
         args.eval_function_path = args.rollout_function_path
     if args.eval_interval is not None and not (args.eval_prompt_data or args.eval_config):
@@ -1302,14 +1337,38 @@ def _validate_modes(args: argparse.Namespace) -> None:
         _fail("--save-interval needs --save (the checkpoint directory).")
 
 
+# ---- output folders (--save, --save-hf): never overwrite an earlier run or a folder slime did not write ----
+def _validate_output_folders(args: argparse.Namespace) -> None:
+    from slime.utils import atomic_dir, run_dir
+
+    found = run_dir.holds_run(args.save)
+    if found and not (args.load and os.path.realpath(args.load) == os.path.realpath(args.save)):
+        _fail(
+            f"--save {args.save} already holds a run ({', '.join(found)}); without --load pointing at it, this run "
+            f"would start again and overwrite it. Pass --load {args.save} to resume it, or choose another --save "
+            "for a new run."
+        )
+    save_hf = getattr(args, "save_hf", None)
+    if not save_hf:
+        return
+    try:
+        first = save_hf.format(rollout_id=0)
+    except (KeyError, IndexError, ValueError) as e:
+        _fail(f"--save-hf {save_hf!r} may contain only the placeholder {{rollout_id}} ({e!r}).")
+    if first == save_hf:  # one fixed folder, replaced at every save: it must be absent or an earlier export
+        problem = atomic_dir.replace_problem(save_hf, "--save-hf")
+        if problem is not None:
+            _fail(problem)
+
+
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check cross-flag rules and fill the defaults that depend on other flags, in place.
 
     Fills: global_batch_size / num_steps_per_rollout (from the batch identity), actor_world_size,
     rollout_num_gpus (colocate; 1 on the CPU backend), rollout_num_engines, use_critic,
     offload_train / offload_rollout, eps_clip_high, over_sampling_batch_size,
-    log_probs_max_tokens_per_gpu, eval_function_path, and debug_train_only when
-    --load-debug-rollout-data is set. Calling it twice gives the same result.
+    log_probs_max_tokens_per_gpu, eval_function_path, reward_key ("score" for --rm-type dapo), and
+    debug_train_only when --load-debug-rollout-data is set. Calling it twice gives the same result.
 
     Args:
         args: a namespace from this module's parser.
@@ -1325,4 +1384,16 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_placement(args)
     _validate_algorithm(args)
     _validate_data(args)
+    _validate_output_folders(args)
+    _validate_engine_limits(args)
     return args
+
+
+def _validate_engine_limits(args: argparse.Namespace) -> None:
+    if args.cpu_engine_max_queued_requests < 1:
+        _fail(f"--cpu-engine-max-queued-requests must be at least 1, got {args.cpu_engine_max_queued_requests}.")
+    api_key = getattr(args, "sglang_api_key", None)
+    if api_key is not None and not isinstance(api_key, str):  # the generic --sglang-* parser typed it
+        _fail(f"--sglang-api-key was read as {api_key!r}, not text; use a key that is not a number or true/false.")
+    if api_key is not None and not api_key.strip():
+        _fail("--sglang-api-key needs a non-empty key: engines require it as 'Authorization: Bearer <key>'.")

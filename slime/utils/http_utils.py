@@ -175,6 +175,7 @@ def request_json(
     timeout: float | None = 60.0,
     max_retries: int = 3,
     retry_delay: float = 0.5,
+    headers: dict[str, str] | None = None,
 ) -> Any:
     """Send one HTTP request with an optional JSON body and return the decoded response.
 
@@ -185,6 +186,7 @@ def request_json(
         timeout: Socket timeout in seconds (None waits forever).
         max_retries: Extra attempts when the connection fails (refused, reset) or the status is 502/503.
         retry_delay: First backoff in seconds; doubles after each failed attempt.
+        headers: Extra request headers, e.g. {"Authorization": "Bearer <key>"}.
 
     Returns:
         The parsed JSON body, the text body if it is not JSON, or None for an empty body.
@@ -194,7 +196,7 @@ def request_json(
         ConnectionError: The server could not be reached after all retries.
     """
     data = None if payload is None else json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json"} if data is not None else {}
+    headers = ({"Content-Type": "application/json"} if data is not None else {}) | (headers or {})
     attempt = 0
     while True:
         request = urllib.request.Request(url, data=data, headers=headers, method=method)
@@ -214,14 +216,16 @@ def request_json(
         attempt += 1
 
 
-def post_json(url: str, payload: Any = None, timeout: float | None = 60.0, max_retries: int = 3) -> Any:
-    """POST `payload` as JSON to `url`; see `request_json` for retries, return value and errors."""
-    return request_json("POST", url, payload, timeout=timeout, max_retries=max_retries)
+def post_json(
+    url: str, payload: Any = None, timeout: float | None = 60.0, max_retries: int = 3, headers: dict | None = None
+) -> Any:
+    """POST `payload` as JSON to `url`; see `request_json` for retries, headers, return value and errors."""
+    return request_json("POST", url, payload, timeout=timeout, max_retries=max_retries, headers=headers)
 
 
-def get_json(url: str, timeout: float | None = 60.0, max_retries: int = 3) -> Any:
-    """GET `url`; see `request_json` for retries, return value and errors."""
-    return request_json("GET", url, None, timeout=timeout, max_retries=max_retries)
+def get_json(url: str, timeout: float | None = 60.0, max_retries: int = 3, headers: dict | None = None) -> Any:
+    """GET `url`; see `request_json` for retries, headers, return value and errors."""
+    return request_json("GET", url, None, timeout=timeout, max_retries=max_retries, headers=headers)
 
 
 _async_session: aiohttp.ClientSession | None = None
@@ -256,6 +260,8 @@ async def async_post_json(
     timeout: float | None = None,
     max_retries: int = 3,
     retry_delay: float = 0.5,
+    retry_failures_for: float = 0.0,
+    headers: dict[str, str] | None = None,
 ) -> Any:
     """POST `payload` as JSON with the shared aiohttp session and return the decoded response.
 
@@ -265,6 +271,10 @@ async def async_post_json(
         timeout: Total seconds for one attempt (None waits forever).
         max_retries: Extra attempts when the connection fails or the status is 502/503.
         retry_delay: First backoff in seconds; doubles after each failed attempt.
+        retry_failures_for: Also retry any 5xx status and timeouts, every second, until this many
+            seconds have passed since the first attempt (`--use-fault-tolerance`: the router still
+            routes to an engine that is being taken out and replaced).
+        headers: Extra request headers (e.g. an engine's `Authorization`).
 
     Returns:
         The parsed JSON body, or the text body if it is not JSON.
@@ -275,19 +285,24 @@ async def async_post_json(
     """
     session = _shared_session()
     client_timeout = aiohttp.ClientTimeout(total=timeout)
+    give_up_at = time.monotonic() + retry_failures_for
     attempt = 0
     while True:
+        keep_trying = time.monotonic() < give_up_at
         try:
-            async with session.post(url, json=payload, timeout=client_timeout) as response:
+            async with session.post(url, json=payload, timeout=client_timeout, headers=headers) as response:
                 body = await response.read()
                 if response.status < 400:
                     return _decode_body(body)
                 error = HTTPRequestError("POST", url, response.status, body.decode("utf-8", errors="replace"))
-                if response.status not in RETRYABLE_STATUSES or attempt == max_retries:
+                retryable = response.status in RETRYABLE_STATUSES or (keep_trying and response.status >= 500)
+                if not retryable or (attempt >= max_retries and not keep_trying):
                     raise error
-        # Refused/reset connections and servers that went away; timeouts are not retried.
-        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
-            if attempt == max_retries:
-                raise ConnectionError(f"POST {url} failed after {max_retries + 1} attempts: {e!r}") from e
-        await asyncio.sleep(retry_delay * 2**attempt)
+        # Refused/reset connections and servers that went away; timeouts only while `retry_failures_for` lasts.
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError) as e:
+            if isinstance(e, asyncio.TimeoutError) and not keep_trying:
+                raise
+            if attempt >= max_retries and not keep_trying:
+                raise ConnectionError(f"POST {url} failed after {attempt + 1} attempts: {e!r}") from e
+        await asyncio.sleep(1.0 if keep_trying else retry_delay * 2**attempt)
         attempt += 1

@@ -65,16 +65,26 @@ class Sample:
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
 
+    @property
+    def unfinished(self) -> bool:
+        """Aborted or failed and never scored: it counts as reward 0 and is not trained on."""
+        return self.reward is None and self.status in (Status.ABORTED, Status.FAILED)
+
     def get_reward_value(self, reward_key: str | None = None) -> float:
-        """The scalar reward; `reward_key` picks one entry when `reward` is a dict."""
+        """The scalar reward; `reward_key` picks one entry when `reward` is a dict. 0 for an `unfinished` sample."""
         if isinstance(self.reward, dict):
             if reward_key is None:
                 raise ValueError(
                     f"sample {self.index} has a dict reward with keys {sorted(self.reward)}; pass --reward-key to pick one"
                 )
             return float(self.reward[reward_key])
+        if self.unfinished:
+            return 0.0
         if self.reward is None:
-            raise ValueError(f"sample {self.index} has no reward yet")
+            raise ValueError(
+                f"sample {self.index} ({Status(self.status).value}) has no reward: the rollout function must "
+                "score every sample it returns (--rm-type / --custom-rm-path, or sample.reward in custom code)"
+            )
         return float(self.reward)
 
     def append_response(self, token_ids: list[int], text: str, log_probs: list[float] | None, trainable: bool = True):

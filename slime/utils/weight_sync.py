@@ -22,6 +22,7 @@ Engines are Ray actor handles of `RolloutEngine` or plain clients with the same 
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from argparse import Namespace
 from collections.abc import Iterable, Iterator
@@ -297,15 +298,23 @@ def update_engine_weights(links: EngineLinks, buckets: Iterable[Bucket], rank: i
         rank: This training rank.
         version: The weight version the engines report afterwards.
     """
-    if rank == 0:
-        call_engines(links.engines, "pause_generation")
-        call_engines(links.engines, "flush_cache")
-    dist.barrier()
-    if links.colocate:
-        send_buckets_as_tensors(buckets, links.engines, rank, links.gpus_per_engine, links.span_groups, version)
-    else:
-        send_buckets_by_broadcast(buckets, links.engines, links.broadcast_group, version)
-    dist.barrier()
+    try:
+        if rank == 0:
+            call_engines(links.engines, "pause_generation")
+            call_engines(links.engines, "flush_cache")
+        dist.barrier()
+        if links.colocate:
+            send_buckets_as_tensors(buckets, links.engines, rank, links.gpus_per_engine, links.span_groups, version)
+        else:
+            send_buckets_by_broadcast(buckets, links.engines, links.broadcast_group, version)
+        dist.barrier()
+    except BaseException:
+        # A failed update must not leave engines paused: resume what still answers, report the update's error.
+        if rank == 0:
+            for engine in links.engines:
+                with contextlib.suppress(Exception):
+                    call_engine(engine, "continue_generation")
+        raise
     if rank == 0:
         call_engines(links.engines, "continue_generation")
 

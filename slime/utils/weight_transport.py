@@ -9,8 +9,11 @@ engine, which follows SGLang's conventions so a trainer never needs to know whic
   named shared memory under torch's `file_system` sharing strategy: the default
   `file_descriptor` strategy passes descriptors over a socket that only a parent and the
   children it forked share, while a named segment can be opened by any process on the host.
-  CUDA tensors travel as CUDA IPC handles. `deserialize_named_tensors` maps the segments.
-  The payload is a pickle: accept it only from a trusted trainer.
+  CUDA tensors travel as CUDA IPC handles. `deserialize_named_tensors` maps the segments. The
+  payload is a pickle, so it is read by a restricted unpickler that resolves only the few torch
+  rebuild functions and types `serialize_named_tensors` writes (`ALLOWED_PICKLE_GLOBALS`) and
+  refuses any other global before building anything. Mapping a handle still trusts the sender
+  with memory on this host: keep engines on loopback or behind an API key.
 - Any host (`/init_weights_update_group` + `/update_weights_from_distributed`): trainer rank 0
   and every engine rank call `init_process_group_like_sglang` with the same address, port and
   group name, forming a small world of their own next to (not inside) any default process
@@ -20,6 +23,7 @@ engine, which follows SGLang's conventions so a trainer never needs to know whic
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import datetime
 import io
@@ -67,8 +71,69 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+# Every global a `serialize_named_tensors` payload names, found with `pickletools.dis` on real payloads
+# (CPU tensors under the file_system strategy) and in torch.multiprocessing.reductions.reduce_tensor
+# (CUDA tensors: rebuild_cuda_tensor with the tensor class, torch.Size, TypedStorage and a dtype). Lists,
+# tuples, str, bytes, ints and bools are pickle opcodes, not globals, so no builtins are needed.
+ALLOWED_PICKLE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch.multiprocessing.reductions", "rebuild_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"),
+        ("torch", "Tensor"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch", "Size"),
+    }
+    # A dtype pickles as the global torch.<name>, e.g. torch.bfloat16.
+    | {("torch", str(value).removeprefix("torch.")) for value in vars(torch).values() if isinstance(value, torch.dtype)}
+)
+
+
+def _check_global(module: str, name: str) -> None:
+    if (module, name) not in ALLOWED_PICKLE_GLOBALS:
+        raise ValueError(
+            f"the payload refers to {module}.{name}, which is not one of the torch tensor-rebuild globals that "
+            "serialize_named_tensors writes; refusing to unpickle it (send payloads made by serialize_named_tensors)"
+        )
+
+
+class _Inert:
+    """Stands in for every allowed global during the vetting pass, so that pass runs no torch code."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return _Inert()
+
+    def __setstate__(self, state):
+        pass
+
+
+class _VettingUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        _check_global(module, name)
+        return _Inert
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        _check_global(module, name)  # exact (module, name) pairs: no dotted names such as "UntypedStorage.from_file"
+        return super().find_class(module, name)
+
+
 def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
     """Inverse of `serialize_named_tensors`: map the shared segments (no copy is made).
+
+    The pickle is read twice: first with every global replaced by an inert stand-in, which rejects
+    any global outside `ALLOWED_PICKLE_GLOBALS` before a single object is built, then for real with
+    the same allow-list.
 
     Args:
         payload: One element of `serialized_named_tensors`.
@@ -77,9 +142,20 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
         The (name, tensor) pairs.
 
     Raises:
-        ValueError: The payload is not base64, or does not hold a list of (name, tensor) pairs.
+        ValueError: The payload is not base64, names a global outside the allow-list, is not a valid
+            pickle, or does not hold a list of (name, tensor) pairs.
     """
-    named_tensors = pickle.loads(base64.b64decode(payload, validate=True))
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise ValueError(f"the payload is not base64: {error}") from None
+    for unpickler in (_VettingUnpickler, _TensorUnpickler):
+        try:
+            named_tensors = unpickler(io.BytesIO(raw)).load()
+        except ValueError:
+            raise
+        except Exception as error:  # truncated or hand-made pickles fail in many ways
+            raise ValueError(f"the payload is not a serialize_named_tensors pickle: {error!r}") from None
     if not isinstance(named_tensors, list) or not all(
         isinstance(item, tuple | list)
         and len(item) == 2

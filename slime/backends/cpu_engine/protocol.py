@@ -174,8 +174,9 @@ def _parse_field(name: str, value: Any, vocab_size: int) -> Any:
             raise RequestError(f"{where} must be true or false, got {value!r}")
         return value
     if name == "sampling_seed":
-        if not _is_int(value):
-            raise RequestError(f"{where} must be an integer, got {value!r}")
+        # torch.Generator.manual_seed takes 64-bit seeds; larger ones would fail inside the engine.
+        if not _is_int(value) or not 0 <= value < 2**63:
+            raise RequestError(f"{where} must be an integer in [0, 2**63), got {value!r}")
         return value
     raise AssertionError(f"unhandled sampling field {name}")
 

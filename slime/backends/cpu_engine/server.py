@@ -25,6 +25,16 @@ Endpoints (request/response shapes follow SGLang):
 
 Errors: /generate answers {"error": {"message"}}; control endpoints answer {"success": false, "message"}.
 Weight updates without an explicit `weight_version` bump it ("default" -> "1" -> "2" ...).
+
+Hardening (the engine maps weight handles from request bodies and accepts weight pushes):
+- With `--api-key KEY` every endpoint but GET /health needs `Authorization: Bearer KEY` (401 otherwise);
+  a host other than loopback is refused at startup without one.
+- /generate bodies are capped at 16 MiB and control bodies at 64 MiB (413); large bodies are parsed off
+  the event loop, so /health keeps answering while one arrives.
+- At most `--max-queued-requests` requests wait for a batch slot; beyond that /generate answers 503
+  with Retry-After.
+- /init_weights_update_group gives up after its `timeout` (seconds, default 60) and joins on a thread
+  of its own, so an unreachable trainer neither jams the server nor delays SIGTERM.
 """
 
 from __future__ import annotations
@@ -32,9 +42,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import functools
+import hmac
+import ipaddress
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -61,6 +75,13 @@ logger = logging.getLogger(__name__)
 
 VERSION = "slime-cpu-engine 0.1.0"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+GENERATE_MAX_BODY_BYTES = 16 * 2**20
+CONTROL_MAX_BODY_BYTES = 64 * 2**20
+# Bodies above this are parsed on a worker thread; below it the thread hop costs more than the parse.
+PARSE_OFF_LOOP_BYTES = 256 * 2**10
+JOIN_TIMEOUT_S = 60.0
+# A SIGTERM waits this long for open requests (all aborted first) before it cancels them.
+SHUTDOWN_TIMEOUT_S = 3.0
 _ENGINE = web.AppKey("engine", CpuEngine)
 _STATE = web.AppKey("state", dict)
 
@@ -72,7 +93,7 @@ class ServerArgs:
     Args:
         model_path: Local HF folder with safetensors weights and a tokenizer.
         tokenizer_path: Tokenizer folder when it is not `model_path`.
-        host: Address to bind; keep 127.0.0.1 unless other hosts must reach the engine (it unpickles weights).
+        host: Address to bind; keep 127.0.0.1 unless other hosts must reach the engine (then set `api_key`).
         port: Port to bind; 0 picks a free one (see `ServerHandle.url`).
         max_running_requests: Most sequences decoding together.
         max_prefill_tokens: Most padded prompt tokens in one prefill forward.
@@ -81,6 +102,9 @@ class ServerArgs:
         dtype: "float32" (default), "bfloat16" or "float16".
         random_seed: Seed for requests that carry no `sampling_seed`.
         log_level: Logging level `run_server` configures (`launch_server` leaves logging to the host).
+        api_key: When set, every endpoint but GET /health requires `Authorization: Bearer <api_key>`.
+            Required for any host other than loopback.
+        max_queued_requests: Most requests waiting for a batch slot; more get 503 with Retry-After.
     """
 
     model_path: str
@@ -94,10 +118,37 @@ class ServerArgs:
     dtype: str = "float32"
     random_seed: int = 0
     log_level: str = "info"
+    api_key: str | None = None
+    max_queued_requests: int = 4096
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve to any interface
+        return False
+
+
+def check_server_args(args: ServerArgs) -> None:
+    """Refuse settings that cannot work or would expose the engine; ValueError naming the setting and the fix."""
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key is empty; pass a non-empty key or leave the flag out")
+    if not args.api_key and not _is_loopback(args.host):
+        raise ValueError(
+            f"refusing to serve on host {args.host!r} without --api-key: the engine maps weight handles sent in "
+            "request bodies (/update_weights_from_tensor) and accepts weight pushes from anyone who can reach it. "
+            "Pass --api-key KEY (from slime: --sglang-api-key KEY), or bind --host 127.0.0.1."
+        )
+    for name in ("max_running_requests", "max_queued_requests", "num_threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
 def build_engine(args: ServerArgs) -> CpuEngine:
-    """Set the thread budget and load the model described by `args`."""
+    """Check `args`, set the thread budget and load the model described by them."""
+    check_server_args(args)
     torch.set_num_threads(args.num_threads)
     with contextlib.suppress(RuntimeError):  # only allowed before any inter-op work started
         torch.set_num_interop_threads(1)
@@ -133,9 +184,12 @@ def create_app(engine: CpuEngine, args: ServerArgs) -> web.Application:
     Serve it with `handler_cancellation=True` so a client that disconnects aborts its requests.
     """
     logging.getLogger("aiohttp.server").addFilter(_HTTP2_PROBE_FILTER)
-    app = web.Application(middlewares=[_error_middleware], client_max_size=256 * 2**20)
+    check_server_args(args)
+    # Bodies are read by `_json_body` with per-endpoint limits; this is aiohttp's own ceiling.
+    app = web.Application(middlewares=[_auth_middleware, _error_middleware], client_max_size=CONTROL_MAX_BODY_BYTES)
     app[_ENGINE] = engine
-    app[_STATE] = {"args": args, "groups": {}}
+    # "joining": group names whose /init_weights_update_group is still running; "join_waits": their futures.
+    app[_STATE] = {"args": args, "groups": {}, "joining": set(), "join_waits": set()}
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
@@ -159,9 +213,17 @@ def create_app(engine: CpuEngine, args: ServerArgs) -> web.Application:
     app.router.add_post("/release_memory_occupation", release_memory_occupation)
     app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
 
+    async def abort_all(app: web.Application) -> None:
+        # Open /generate calls and group joins return now instead of holding the shutdown until they end.
+        app[_ENGINE].abort(abort_all=True)
+        for wait in app[_STATE]["join_waits"]:
+            if not wait.done():
+                wait.set_exception(RequestError("the engine is shutting down", status=503))
+
     async def stop_engine(app: web.Application) -> None:
         await asyncio.to_thread(app[_ENGINE].shutdown)
 
+    app.on_shutdown.append(abort_all)
     app.on_cleanup.append(stop_engine)
     return app
 
@@ -171,6 +233,23 @@ def create_app(engine: CpuEngine, args: ServerArgs) -> web.Application:
 
 def _error(message: str, status: int) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler):
+    """With an API key, everything but GET /health needs `Authorization: Bearer <key>`."""
+    key = request.app[_STATE]["args"].api_key
+    if not key or (request.method in ("GET", "HEAD") and request.path == "/health"):
+        return await handler(request)
+    given = request.headers.get("Authorization", "").encode("utf-8", errors="replace")
+    if hmac.compare_digest(given, f"Bearer {key}".encode()):  # constant time: no key prefix leaks by timing
+        return await handler(request)
+    message = (
+        "missing or wrong API key: this engine was started with --api-key; send the header 'Authorization: Bearer <key>'"
+        if given
+        else "missing API key: this engine was started with --api-key; send the header 'Authorization: Bearer <key>'"
+    )
+    return web.json_response({"error": {"message": message}}, status=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 @web.middleware
@@ -186,15 +265,41 @@ async def _error_middleware(request: web.Request, handler):
         return _error(f"{request.path} failed: {error!r}", 500)
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    """The JSON object in the body; an empty body counts as {}."""
-    raw = await request.read()
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = RequestError(
+        f"the body of {request.path} exceeds {limit // 2**20} MiB; send smaller requests (split large batches)",
+        status=413,
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:  # chunked bodies carry no Content-Length
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_json(raw: bytes, path: str) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RequestError(f"the body of {path} is nested too deeply to parse") from None
+    except ValueError as error:  # JSONDecodeError, bad UTF-8, integers longer than Python converts
+        raise RequestError(f"the body of {path} is not valid JSON: {error}") from None
+
+
+async def _json_body(request: web.Request, limit: int = CONTROL_MAX_BODY_BYTES) -> dict[str, Any]:
+    """The JSON object in the body (at most `limit` bytes); an empty body counts as {}."""
+    raw = await _read_body(request, limit)
     if not raw.strip():
         return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise RequestError(f"the body of {request.path} is not valid JSON: {error}") from error
+    if len(raw) > PARSE_OFF_LOOP_BYTES:
+        body = await asyncio.to_thread(_parse_json, raw, request.path)
+    else:
+        body = _parse_json(raw, request.path)
     if not isinstance(body, dict):
         raise RequestError(f"the body of {request.path} must be a JSON object")
     return body
@@ -250,6 +355,31 @@ async def _run_requests(engine: CpuEngine, requests: list[GenerationRequest]) ->
         raise
 
 
+def _in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
+    """Run a blocking `fn` on a fresh daemon thread: unlike the default executor, shutting down never waits for it."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(error: BaseException | None, result: Any) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as raised:
+            result, error = None, raised
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody is waiting
+            loop.call_soon_threadsafe(settle, error, result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 def _resolve_from_thread(loop: asyncio.AbstractEventLoop, future: asyncio.Future, request: GenerationRequest) -> None:
     def resolve() -> None:
         if not future.done():
@@ -264,8 +394,18 @@ def _resolve_from_thread(loop: asyncio.AbstractEventLoop, future: asyncio.Future
 
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
-    body = await _json_body(request)
-    requests, is_batch = parse_generate_request(body, engine.tokenizer, engine.vocab_size, engine.context_length)
+    body = await _json_body(request, GENERATE_MAX_BODY_BYTES)
+    parse = functools.partial(parse_generate_request, body, engine.tokenizer, engine.vocab_size, engine.context_length)
+    # Checking millions of token ids takes a while; keep the event loop free for /health meanwhile.
+    big = (request.content_length or 0) > PARSE_OFF_LOOP_BYTES
+    requests, is_batch = await asyncio.to_thread(parse) if big else parse()
+    limit = request.app[_STATE]["args"].max_queued_requests
+    if len(requests) > limit:
+        raise RequestError(f"a batch of {len(requests)} prompts exceeds --max-queued-requests {limit}; split it")
+    waiting = engine.load()["num_waiting_reqs"]
+    if waiting + len(requests) > limit:
+        message = f"the engine's queue is full ({waiting} requests waiting, --max-queued-requests {limit}); retry later"
+        return web.json_response({"error": {"message": message}}, status=503, headers={"Retry-After": "1"})
     finished = await _run_requests(engine, requests)
     failed = next((r.error for r in finished if r.error), None)
     if failed:
@@ -323,6 +463,7 @@ async def get_server_info(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
     args = request.app[_STATE]["args"]
     info = asdict(args)
+    info["api_key"] = None if args.api_key is None else "<set>"  # never hand out the key
     info.update(
         model_path=engine.model_path,
         tokenizer_path=engine.tokenizer_path,
@@ -424,7 +565,8 @@ async def update_weights_from_tensor(request: web.Request) -> dict:
 
 @_control
 async def init_weights_update_group(request: web.Request) -> str:
-    groups = request.app[_STATE]["groups"]
+    state = request.app[_STATE]
+    groups, joining = state["groups"], state["joining"]
     body = await _json_body(request)
     master_address = _field(body, "master_address", str)
     master_port = _field(body, "master_port", int)
@@ -432,21 +574,52 @@ async def init_weights_update_group(request: web.Request) -> str:
     world_size = _field(body, "world_size", int)
     group_name = _field(body, "group_name", str, "weight_update_group")
     backend = _field(body, "backend", str, "gloo")
+    timeout = _field(body, "timeout", (int, float), JOIN_TIMEOUT_S)
     if backend != "gloo":
         raise RequestError(f"backend={backend!r} is not available on CPU; use 'gloo'")
-    if not 0 < rank_offset < world_size:
-        raise RequestError(f"rank_offset={rank_offset} must be in [1, world_size={world_size}); rank 0 is the trainer")
-    if group_name in groups:
-        raise RequestError(f"group {group_name!r} already exists; destroy it first")
-    groups[group_name] = await asyncio.to_thread(
-        weight_transport.init_process_group_like_sglang,
-        backend,
-        master_address,
-        master_port,
-        rank_offset,
-        world_size,
-        group_name,
-    )
+    if not 0 < master_port < 2**16:
+        raise RequestError(f"master_port={master_port} is not a TCP port; use one in [1, 65535]")
+    if not 0 < rank_offset < world_size <= 2**16:
+        raise RequestError(
+            f"rank_offset={rank_offset} must be in [1, world_size={world_size}) and world_size at most 65536; "
+            "rank 0 is the trainer"
+        )
+    if group_name in groups or group_name in joining:
+        raise RequestError(f"group {group_name!r} already exists or is being joined; destroy it first")
+    if not (math.isfinite(timeout) and 0 < timeout <= 24 * 3600):
+        raise RequestError(f"timeout={timeout!r} must be a number of seconds in (0, 86400]")
+
+    def join() -> None:
+        try:
+            group = weight_transport.init_process_group_like_sglang(
+                backend,
+                master_address,
+                master_port,
+                rank_offset,
+                world_size,
+                group_name,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            groups[group_name] = group  # registered even if the caller gave up waiting meanwhile
+        finally:
+            joining.discard(group_name)
+
+    joining.add(group_name)
+    wait = _in_daemon_thread(join, name=f"join-{group_name}")
+    state["join_waits"].add(wait)
+    try:
+        await wait
+    except RequestError:
+        raise
+    except Exception as error:
+        raise RequestError(
+            f"could not join weight update group {group_name!r} at {master_address}:{master_port} within "
+            f"{timeout:g}s (rank {rank_offset} of {world_size}): {str(error).rstrip('.')}; check that the "
+            "trainer's rank 0 listens there and is joining too",
+            status=500,
+        ) from error
+    finally:
+        state["join_waits"].discard(wait)
     return f"joined group {group_name!r} as rank {rank_offset} of {world_size}"
 
 
@@ -467,8 +640,8 @@ async def update_weights_from_distributed(request: web.Request) -> dict:
         raise RequestError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
     if not all(isinstance(n, str) for n in names) or not all(isinstance(d, str) for d in dtypes):
         raise RequestError("names and dtypes must be lists of strings")
-    if not all(isinstance(s, list) and all(isinstance(x, int) and x >= 0 for x in s) for s in shapes):
-        raise RequestError("shapes must be a list of lists of non-negative integers")
+    if not all(isinstance(s, list) and all(isinstance(x, int) and 0 <= x < 2**40 for x in s) for s in shapes):
+        raise RequestError("shapes must be a list of lists of non-negative integers below 2**40")
     torch_dtypes = [weights.parse_dtype(d) for d in dtypes]
     version = _before_update(engine, body)
 
@@ -541,7 +714,8 @@ def run_server(args: ServerArgs) -> None:
     """Load the model and serve until SIGINT / SIGTERM (blocking)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(args)
-    logger.info("serving %s on http://%s:%d", engine.model_path, args.host, args.port)
+    required = " (API key required)" if args.api_key else ""
+    logger.info("serving %s on http://%s:%d%s", engine.model_path, args.host, args.port, required)
     web.run_app(
         create_app(engine, args),
         host=args.host,
@@ -549,6 +723,7 @@ def run_server(args: ServerArgs) -> None:
         print=None,
         access_log=None,
         handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
 
 
@@ -578,7 +753,12 @@ def launch_server(args: ServerArgs, timeout: float = 600.0) -> ServerHandle:
     started = threading.Event()
 
     async def serve() -> None:
-        runner = web.AppRunner(create_app(engine, args), access_log=None, handler_cancellation=True)
+        runner = web.AppRunner(
+            create_app(engine, args),
+            access_log=None,
+            handler_cancellation=True,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
@@ -623,11 +803,18 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--random-seed", type=int, default=defaults.random_seed)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    namespace = parser.parse_args(argv)
-    for name, value in (
-        ("max-running-requests", namespace.max_running_requests),
-        ("num-threads", namespace.num_threads),
-    ):
-        if value < 1:
-            parser.error(f"--{name} must be >= 1, got {value}")
-    return ServerArgs(**vars(namespace))
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but GET /health"
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="requests waiting for a batch slot before /generate answers 503",
+    )
+    args = ServerArgs(**vars(parser.parse_args(argv)))
+    try:
+        check_server_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return args

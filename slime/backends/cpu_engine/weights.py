@@ -48,27 +48,49 @@ def weight_targets(model) -> dict[str, torch.Tensor]:
     return targets
 
 
-def check_names_and_shapes(targets: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
-    """Raise ValueError listing every unknown name or wrong shape before anything is written."""
+def check_names_and_shapes(
+    targets: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    float_kinds: dict[str, bool] | None = None,
+) -> None:
+    """Raise ValueError listing every unknown name, wrong shape or wrong kind of dtype before anything is written.
+
+    Args:
+        targets: From `weight_targets`.
+        shapes: name -> shape of the incoming tensor.
+        float_kinds: name -> whether the incoming dtype is floating point; a floating-point parameter takes
+            only floating-point tensors and an integer buffer only integer ones (any width: they are cast).
+    """
     unknown = [name for name in shapes if name not in targets]
     wrong = [
         f"{name}: got {list(shape)}, expected {list(targets[name].shape)}"
         for name, shape in shapes.items()
         if name in targets and tuple(shape) != tuple(targets[name].shape)
     ]
+    wrong_kind = [
+        f"{name}: got a {'floating-point' if is_float else 'non-floating-point'} tensor for {targets[name].dtype}"
+        for name, is_float in (float_kinds or {}).items()
+        if name in targets and is_float != targets[name].dtype.is_floating_point
+    ]
     problems = []
     if unknown:
         problems.append(f"unknown parameter names {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
     if wrong:
         problems.append(f"wrong shapes ({'; '.join(wrong[:8])})")
+    if wrong_kind:
+        problems.append(f"wrong dtypes ({'; '.join(wrong_kind[:8])})")
     if problems:
         raise ValueError("weight update rejected, nothing was changed: " + " and ".join(problems))
 
 
 @torch.no_grad()
 def copy_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Check all names and shapes, then copy each tensor into the parameter of that name (casting dtype)."""
-    check_names_and_shapes(targets, {name: tuple(tensor.shape) for name, tensor in named_tensors})
+    """Check all names, shapes and dtype kinds, then copy each tensor into the parameter of that name (casting dtype)."""
+    check_names_and_shapes(
+        targets,
+        {name: tuple(tensor.shape) for name, tensor in named_tensors},
+        {name: tensor.dtype.is_floating_point for name, tensor in named_tensors},
+    )
     for name, tensor in named_tensors:
         targets[name].copy_(tensor)
 
@@ -90,7 +112,8 @@ def receive_named_tensors(
 ) -> None:
     """Fill the named parameters with tensors that `receive(buffer)` writes, one per `layout` entry, in order.
 
-    A tensor of the parameter's own dtype is received straight into the parameter, so an update
+    Names, shapes and dtype kinds are all checked before the first tensor is received. A transport
+    failure halfway (the sender died) leaves the parameters received so far written. A tensor of the parameter's own dtype is received straight into the parameter, so an update
     needs no second copy of the weights. Every tensor is received even when the update is
     rejected (the sender's collectives would hang otherwise); then nothing is written.
 
@@ -98,7 +121,11 @@ def receive_named_tensors(
         ValueError: naming every unknown name or wrong shape (after receiving everything).
     """
     try:
-        check_names_and_shapes(targets, {name: tuple(shape) for name, _, shape in layout})
+        check_names_and_shapes(
+            targets,
+            {name: tuple(shape) for name, _, shape in layout},
+            {name: dtype.is_floating_point for name, dtype, _ in layout},
+        )
     except ValueError:
         drain_named_tensors(layout, receive)
         raise
@@ -144,11 +171,14 @@ def load_safetensors_folder(targets: dict[str, torch.Tensor], model_path: str | 
         The names that were loaded.
     """
     files = safetensors_files(model_path)
-    shapes = {}
+    shapes, float_kinds = {}, {}
     for file in files:
         with safe_open(file, framework="pt") as reader:
-            shapes.update({name: tuple(reader.get_slice(name).get_shape()) for name in reader.keys()})
-    check_names_and_shapes(targets, shapes)
+            for name in reader.keys():
+                header = reader.get_slice(name)
+                shapes[name] = tuple(header.get_shape())
+                float_kinds[name] = header.get_dtype().startswith(("F", "BF"))  # F32, F16, BF16, F8_E4M3, ...
+    check_names_and_shapes(targets, shapes, float_kinds)
     for file in files:
         with safe_open(file, framework="pt") as reader:
             for name in reader.keys():

@@ -410,8 +410,11 @@ class FSDPTrainRayActor(TrainRayActor):
         return reduced.cpu()
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def save_model(self, rollout_id: int) -> None:
-        """Checkpoint to `--save` (resumable) and, for the actor, export `--save-hf` (HF folder)."""
+    def save_model(self, rollout_id: int, update_tracker: bool = True) -> None:
+        """Checkpoint to `--save` (resumable) and, for the actor, export `--save-hf` (HF folder).
+
+        `update_tracker=False`: the driver names the step in the tracker once every part of it is written.
+        """
         root = self._checkpoint_root(self.args.save)
         if root:
             checkpoint.save_checkpoint(
@@ -422,6 +425,7 @@ class FSDPTrainRayActor(TrainRayActor):
                 self.lr_scheduler,
                 save_optimizer=not getattr(self.args, "no_save_optim", False),
                 role=self.role,
+                update_tracker=update_tracker,
             )
         if self.role == "actor" and getattr(self.args, "save_hf", None):
             path = self.args.save_hf.format(rollout_id=rollout_id)

@@ -1,22 +1,24 @@
 """Checkpoints of the FSDP trainer: resumable training state and HuggingFace exports.
 
-Layout of `--save DIR` (the critic uses `DIR/critic`):
+Layout of `--save DIR` (the critic uses `DIR/critic`; see `slime.utils.run_dir`):
 
-    DIR/latest_checkpointed_iteration.txt     the last complete rollout id, e.g. "12"
+    DIR/latest_checkpointed_iteration.txt     the last complete step, e.g. "12" (written by the driver)
     DIR/iter_0000012/
         model/        torch.distributed.checkpoint (DCP) of the sharded weights
         optim/        DCP of the AdamW state (absent with --no-save-optim)
         scheduler.pt  LR scheduler state
         rng/rank_00000.pt ...   python / numpy / torch (/ CUDA) RNG state of each rank
         meta.json     {"rollout_id", "world_size", "role", "has_optimizer"}
+        .slime-folder marker: slime wrote this folder
 
 DCP stores tensors with their global shapes, so a checkpoint loads at any world size (RNG states
-are restored only for ranks that have one).
+are restored only for ranks that have one). Everything but DCP is read with `weights_only=True`.
 
-Atomicity: every rank writes into `iter_XXXXXXX.tmp-<pid>`; once all are done rank 0 renames it
-to `iter_XXXXXXX` (`os.replace`) and only then rewrites the tracker file (tmp + `os.replace`).
-A save killed at any point leaves the tracker on the previous complete checkpoint; leftover
-`.tmp-` folders are removed by the next save.
+Atomicity: every rank writes into `.iter_XXXXXXX.slime-tmp-<pid>` (`slime.utils.atomic_dir`); once all
+are done rank 0 renames it to `iter_XXXXXXX`. The tracker is written last, by the driver once every
+part of the step (critic, data source) is written too, or by `save_checkpoint(update_tracker=True)`
+when the trainer is used on its own. A save killed at any point leaves the tracker on the previous
+complete checkpoint; the next save removes the marked leftovers of killed saves, and nothing else.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
-import shutil
 
 import numpy as np
 import torch
@@ -41,30 +43,35 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import gather_full_state_dict, reshard, save_hf_folder
+from slime.utils import atomic_dir, run_dir
 
 logger = logging.getLogger(__name__)
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRACKER_FILE = run_dir.TRACKER_FILE
 
 
 def iteration_dir(root: str, rollout_id: int) -> str:
     """`root/iter_XXXXXXX` for a rollout id."""
-    return os.path.join(root, f"iter_{rollout_id:07d}")
+    return str(run_dir.iteration_dir(root, rollout_id))
 
 
 def latest_iteration(root: str | None) -> int | None:
-    """The rollout id in `root`'s tracker file, or None when there is no tracker."""
+    """The rollout id the tracker of `root` names (`root/critic` follows `root`'s), or None without one."""
     if not root:
         return None
-    tracker = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(tracker):
+    tracker = run_dir.tracker_file(root)
+    if not tracker.is_file():
         return None
-    with open(tracker) as f:
-        text = f.read().strip()
+    text = tracker.read_text().strip()
     try:
         return int(text)
     except ValueError as e:
         raise ValueError(f"{tracker} holds {text!r}, not a rollout id; fix or delete the file") from e
+
+
+def write_tracker(root: str, rollout_id: int) -> None:
+    """Point `root`'s tracker at `rollout_id` (one rename): the step becomes the one `--load` resumes."""
+    run_dir.commit_step(root, rollout_id)
 
 
 def _rank() -> int:
@@ -80,49 +87,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast_from_rank0(value):
-    """`value` as rank 0 has it, on every rank."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _remove_leftovers(root: str) -> None:
-    """Folders of interrupted saves (`.tmp-<pid>`) and of replaced checkpoints (`.old-<pid>`)."""
-    for name in os.listdir(root):
-        if ".tmp-" in name or ".old-" in name:
-            path = os.path.join(root, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.remove(path)
-
-
-def _publish(tmp_dir: str, final_dir: str) -> None:
-    """Move a finished `tmp_dir` to `final_dir`, replacing an older folder of the same name."""
-    old = None
-    if os.path.exists(final_dir):
-        old = f"{final_dir}.old-{os.getpid()}"
-        os.replace(final_dir, old)
-    os.replace(tmp_dir, final_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def rng_state() -> dict:
-    """Python, numpy, torch (and CUDA) generator states of this process."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, numpy, torch (and CUDA) generator states of this process, as plain values and tensors.
+
+    numpy's key array is stored as a tensor so that the file loads with `torch.load(weights_only=True)`.
+    """
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    numpy_state = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian)]
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -131,7 +103,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     """Inverse of `rng_state`."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -145,8 +118,9 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     save_optimizer: bool = True,
     role: str = "actor",
+    update_tracker: bool = True,
 ) -> str:
-    """Write `root/iter_XXXXXXX` atomically and point the tracker at it. A collective: every rank calls it.
+    """Write `root/iter_XXXXXXX` atomically (and point the tracker at it). A collective: every rank calls it.
 
     Args:
         root: `--save` (or its `critic` subfolder).
@@ -156,20 +130,24 @@ def save_checkpoint(
         scheduler: Its LR scheduler.
         save_optimizer: False with `--no-save-optim`.
         role: Recorded in meta.json.
+        update_tracker: Write the tracker too. The driver passes False and writes it once every part
+            of the step (actor, critic, data source) is on disk.
 
     Returns:
         The checkpoint folder.
+
+    Raises:
+        FileExistsError: `root/iter_XXXXXXX` exists and slime did not write it.
     """
     rank = _rank()
     final_dir = iteration_dir(root, rollout_id)
-    tmp_dir = None
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        _remove_leftovers(root)
-        tmp_dir = f"{final_dir}.tmp-{os.getpid()}"
-        os.makedirs(os.path.join(tmp_dir, "rng"))
-    tmp_dir = _broadcast_from_rank0(tmp_dir)
-    _barrier()
+
+    def stage() -> str:
+        staging = atomic_dir.create_staging(final_dir, "checkpoint", "--save")
+        os.makedirs(staging / "rng")
+        return str(staging)
+
+    tmp_dir = atomic_dir.on_rank0(stage)
     reshard(model)
 
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(tmp_dir, "model"))
@@ -183,8 +161,9 @@ def save_checkpoint(
             json.dump(meta, f, indent=2)
     _barrier()
     if rank == 0:
-        _publish(tmp_dir, final_dir)
-        _atomic_write_text(os.path.join(root, TRACKER_FILE), str(rollout_id))
+        atomic_dir.publish(tmp_dir, final_dir, "checkpoint", "--save")
+        if update_tracker:
+            write_tracker(root, rollout_id)
     _barrier()
     return final_dir
 
@@ -200,7 +179,7 @@ def load_checkpoint(
     """Restore the checkpoint the tracker of `root` names (or `rollout_id`). A collective.
 
     Args:
-        root: `--load` (or its `critic` subfolder).
+        root: `--load` (or its `critic` subfolder, which follows `--load`'s tracker).
         model: The sharded model to load into.
         optimizer: Loaded unless None (`--no-load-optim`, `--finetune`) or the checkpoint has none.
         scheduler: Loaded unless None.
@@ -215,6 +194,11 @@ def load_checkpoint(
         if rollout_id is None:
             raise ValueError(f"{root} has no {TRACKER_FILE}; it is not an FSDP checkpoint folder")
     folder = iteration_dir(root, rollout_id)
+    if not os.path.isfile(os.path.join(folder, "meta.json")):
+        raise FileNotFoundError(
+            f"{folder} (rollout {rollout_id}, named by {run_dir.tracker_file(root)}) is missing or incomplete; "
+            "point --load at a folder saved by slime's FSDP trainer"
+        )
     with open(os.path.join(folder, "meta.json")) as f:
         meta = json.load(f)
 
@@ -227,10 +211,17 @@ def load_checkpoint(
         dcp.load(optim_state, checkpoint_id=os.path.join(folder, "optim"))
         set_optimizer_state_dict(model, optimizer, optim_state["optim"])
     if scheduler is not None:
-        scheduler.load_state_dict(torch.load(os.path.join(folder, "scheduler.pt"), weights_only=False))
+        # LambdaLR's state is numbers (its lambda is a function, stored as None).
+        scheduler.load_state_dict(torch.load(os.path.join(folder, "scheduler.pt"), weights_only=True))
     rng_file = os.path.join(folder, "rng", f"rank_{_rank():05d}.pt")
     if load_rng and os.path.isfile(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        try:
+            state = torch.load(rng_file, weights_only=True)
+        except pickle.UnpicklingError:
+            # Saved by an older slime with numpy arrays inside; unpickling those could run code.
+            logger.warning("%s is in an older format that needs full unpickling; RNG state not restored", rng_file)
+        else:
+            set_rng_state(state)
     elif load_rng:
         logger.warning("%s has no RNG state for rank %d (saved with %d ranks)", folder, _rank(), meta["world_size"])
     return rollout_id
@@ -262,17 +253,22 @@ def read_checkpoint_shards(root: str, model: nn.Module, rollout_id: int | None =
 def save_hf_checkpoint(model: nn.Module, path: str, tokenizer_path: str | None) -> None:
     """Write a HF folder loadable by `AutoModelForCausalLM.from_pretrained` (atomically). A collective.
 
+    The folder is written beside `path` and renamed into place; an existing `path` is replaced only if
+    it is an earlier slime export (it holds slime's marker).
+
     Args:
         model: The sharded actor.
         path: Output folder (`--save-hf` with `{rollout_id}` filled in).
         tokenizer_path: Folder of the tokenizer to copy in (`--hf-checkpoint`).
+
+    Raises:
+        FileExistsError: `path` exists and slime did not write it (checked before any work).
     """
+    path = os.path.abspath(path)
+    atomic_dir.on_rank0(atomic_dir.check_replaceable, path, "--save-hf")
     full_state_dict = gather_full_state_dict(model)
     if _rank() == 0:
-        path = os.path.abspath(path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp_dir = f"{path}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        save_hf_folder(model, full_state_dict, tmp_dir, tokenizer_path)
-        _publish(tmp_dir, path)
+        staging = atomic_dir.create_staging(path, "hf-export", "--save-hf")
+        save_hf_folder(model, full_state_dict, str(staging), tokenizer_path)
+        atomic_dir.publish(staging, path, "hf-export", "--save-hf")
     _barrier()

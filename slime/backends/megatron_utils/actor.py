@@ -586,9 +586,10 @@ class MegatronTrainRayActor(TrainRayActor):
         return reduced.cpu()
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def save_model(self, rollout_id: int) -> None:
+    def save_model(self, rollout_id: int, update_tracker: bool = True) -> None:
         """torch_dist checkpoint to `--save` (the critic's to `<save>/critic`; atomic, resumable) and, for the
-        actor, an HF export to `--save-hf`."""
+        actor, an HF export to `--save-hf`. `update_tracker=False`: the driver names the step in the tracker
+        once every part of it is written."""
         root = self._checkpoint_root(self.args.save)
         if root:
             checkpoint.save_checkpoint(
@@ -597,6 +598,7 @@ class MegatronTrainRayActor(TrainRayActor):
                 self.model,
                 None if getattr(self.args, "no_save_optim", False) else self.optimizer,
                 self.lr_scheduler,
+                update_tracker=update_tracker,
             )
         if self.role == "actor" and getattr(self.args, "save_hf", None):
             path = self.args.save_hf.format(rollout_id=rollout_id)

@@ -10,8 +10,12 @@ The state dict is {"model": ...} ("model0", "model1", ... with virtual pipelinin
 stored by their global, layer-stacked keys, so they load under any TP/PP/EP layout; the distributed
 optimizer's state reloads under another data-parallel size but needs the same TP/PP.
 
-Atomicity: all ranks write `iter_XXXXXXX.tmp`; then rank 0 renames it to `iter_XXXXXXX` and only after
-that rewrites the tracker file (tmp file + `os.replace`). A crash leaves the previous checkpoint in use.
+Atomicity: all ranks write `.iter_XXXXXXX.slime-tmp-<pid>` (`slime.utils.atomic_dir`); then rank 0 renames
+it to `iter_XXXXXXX`, replacing an earlier one only if slime wrote it, and only after that rewrites the
+tracker file. In a training run the driver writes the tracker once every part of the step (critic, data
+source) is written; `DIR/critic` follows `DIR`'s tracker. A crash leaves the previous checkpoint in use.
+HF folders (`save_hf_checkpoint`) are written the same way, so an earlier export never leaves stale
+shards behind.
 
 `load_checkpoint` also takes an HF model folder (one with config.json and no tracker): its weights are
 converted on the fly (`hf_to_megatron.load_hf_weights`) and the iteration is 0.
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
@@ -37,10 +40,11 @@ from slime.backends.megatron_utils.config import load_hf_config
 from slime.backends.megatron_utils.hf_to_megatron import load_hf_weights
 from slime.backends.megatron_utils.megatron_to_hf import megatron_state_to_hf
 from slime.backends.megatron_utils.model import unwrap_model
+from slime.utils import atomic_dir, run_dir
 
 logger = logging.getLogger(__name__)
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRACKER_FILE = run_dir.TRACKER_FILE
 CHECKPOINT_VERSION = 3.0
 _ITER_DIR = re.compile(r"iter_(\d{7})")
 _MODEL_KEY = re.compile(r"model\d*")
@@ -57,8 +61,11 @@ def checkpoint_dir(root: str | Path, iteration: int | str) -> Path:
 
 
 def read_tracker(root: str | Path) -> int | str | None:
-    """The iteration in `root/latest_checkpointed_iteration.txt`: an int, "release", or None without one."""
-    tracker = Path(root) / TRACKER_FILE
+    """The iteration in `root/latest_checkpointed_iteration.txt`: an int, "release", or None without one.
+
+    `DIR/critic` follows `DIR`'s tracker (actor and critic of a run load the same step).
+    """
+    tracker = run_dir.tracker_file(root)
     if not tracker.is_file():
         return None
     text = tracker.read_text().strip()
@@ -128,6 +135,11 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def write_tracker(root: str | Path, iteration: int) -> None:
+    """Point `root`'s tracker at `iteration` (one rename): the step becomes the one `--load` resumes."""
+    run_dir.commit_step(root, iteration)
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -135,8 +147,9 @@ def save_checkpoint(
     optimizer=None,
     opt_param_scheduler=None,
     extra_state: dict[str, Any] | None = None,
+    update_tracker: bool = True,
 ) -> Path:
-    """Save a torch_dist checkpoint to `root/iter_XXXXXXX` atomically and update the tracker file.
+    """Save a torch_dist checkpoint to `root/iter_XXXXXXX` atomically (and update the tracker file).
 
     A collective: every rank calls it (each writes its own shards).
 
@@ -147,17 +160,20 @@ def save_checkpoint(
         optimizer: a Megatron optimizer whose state is saved too, or None for weights only.
         opt_param_scheduler: an object with `state_dict()`, or None.
         extra_state: more picklable, rank-independent items (e.g. data-loader state) for common.pt.
+        update_tracker: write the tracker too; the driver passes False and writes it once every part of
+            the step is written.
 
     Returns:
         the final checkpoint directory.
+
+    Raises:
+        FileExistsError: `root/iter_XXXXXXX` exists and slime did not write it.
     """
     from megatron.core import dist_checkpointing
 
     final_dir = checkpoint_dir(root, iteration)
-    tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
-    if _rank() == 0:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        tmp_dir.mkdir(parents=True)
+    # dist_checkpointing wants an empty folder: the marker goes in when the folder is published.
+    tmp_dir = atomic_dir.on_rank0(atomic_dir.create_staging, final_dir, "checkpoint", "--save", False)
     _barrier()
 
     state = _sharded_state_dict(_chunks(model), optimizer)
@@ -168,17 +184,9 @@ def save_checkpoint(
     _barrier()
 
     if _rank() == 0:
-        if final_dir.exists():  # saving the same iteration again replaces it
-            old_dir = final_dir.with_name(final_dir.name + ".old")
-            shutil.rmtree(old_dir, ignore_errors=True)
-            os.replace(final_dir, old_dir)
-            os.replace(tmp_dir, final_dir)
-            shutil.rmtree(old_dir)
-        else:
-            os.replace(tmp_dir, final_dir)
-        tracker_tmp = Path(root) / (TRACKER_FILE + ".tmp")
-        tracker_tmp.write_text(str(iteration))
-        os.replace(tracker_tmp, Path(root) / TRACKER_FILE)
+        atomic_dir.publish(tmp_dir, final_dir, "checkpoint", "--save")
+        if update_tracker:
+            write_tracker(root, iteration)
     _barrier()
     return final_dir
 
@@ -290,27 +298,36 @@ def save_hf_checkpoint(
     family: str | None = None,
     dtype: torch.dtype | None = None,
     progress: bool = False,
+    max_shard_bytes: int = 5 * 2**30,
+    flag: str = "--save-hf",
 ) -> Path | None:
     """Export the model as an HF folder: safetensors weights + config/tokenizer copied from `origin_hf_dir`.
 
     A collective over all ranks. Each pipeline stage converts its layers (gathering TP and experts);
-    the first rank of the world writes everything.
+    the first rank of the world writes everything, beside `output_dir`, then renames it into place.
 
     Args:
         model: the model chunks (or one chunk).
-        output_dir: where to write; created if missing.
+        output_dir: where to write: absent, or an earlier slime export (replaced whole).
         origin_hf_dir: the HF folder the model came from (config, tokenizer, vocabulary size, family).
         family: model family (default: the origin config's model_type).
         dtype: cast weights to this (default: the origin config's dtype, else keep the parameters').
         progress: show a progress bar (on the first rank).
+        max_shard_bytes: largest safetensors file; more weights are split into numbered shards.
+        flag: the option that named `output_dir`, for error messages.
 
     Returns:
         the output directory on the writing rank, None elsewhere.
+
+    Raises:
+        FileExistsError: `output_dir` exists and slime did not write it (checked before any work).
     """
     from megatron.core import parallel_state
 
     from slime.backends.megatron_utils.config import family_from_hf_config
 
+    output_dir = Path(output_dir).absolute()
+    atomic_dir.on_rank0(atomic_dir.check_replaceable, output_dir, flag)
     hf_config = load_hf_config(origin_hf_dir)
     family = family or family_from_hf_config(hf_config)
     if dtype is None:
@@ -330,9 +347,10 @@ def save_hf_checkpoint(
     if _rank() != 0:
         _barrier()
         return None
-    output_dir = Path(output_dir)
-    copy_hf_metadata(origin_hf_dir, output_dir)
-    write_safetensors(tensors, output_dir)
+    staging = atomic_dir.create_staging(output_dir, "hf-export", flag)
+    copy_hf_metadata(origin_hf_dir, staging)
+    write_safetensors(tensors, staging, max_shard_bytes)
+    atomic_dir.publish(staging, output_dir, "hf-export", flag)
     _barrier()
     return output_dir
 

@@ -18,6 +18,7 @@ from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_hf_ch
 from slime.backends.megatron_utils.config import config_from_hf, load_hf_config, resolve_family
 from slime.backends.megatron_utils.model import build_model
 from slime.utils.arguments import _extract_unknown_flags
+from slime.utils.atomic_dir import check_replaceable
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +113,22 @@ def export_checkpoint_to_hf(
     Args:
         args: Model flags (from `model_args`).
         checkpoint: Checkpoint root or `iter_XXXXXXX` directory.
-        output_dir: HF folder to write.
+        output_dir: HF folder to write: absent, or an earlier slime export (replaced whole; anything else is
+            refused before the checkpoint is read).
         origin_hf_dir: HF folder whose config and tokenizer files are copied.
         model_name: Family override (else `args.model_name`).
         dtype: torch dtype name for the saved weights (else the model's).
         iteration: Which iteration under a root (else the latest).
     """
     family = resolve_family(model_name or args.model_name)
+    check_replaceable(output_dir, "--output-dir")  # before minutes of loading, on every rank alike
     init_distributed(args)
     model = build_model(args, wrap_with_ddp=False)
     loaded_iteration, _ = load_checkpoint(checkpoint, model, iteration=iteration)
     weights_dtype = getattr(torch, dtype) if dtype else None
-    output = save_hf_checkpoint(model, output_dir, origin_hf_dir, family, dtype=weights_dtype, progress=True)
+    output = save_hf_checkpoint(
+        model, output_dir, origin_hf_dir, family, dtype=weights_dtype, progress=True, flag="--output-dir"
+    )
     if output is not None:
         print(f"iteration {loaded_iteration} -> {output}")
     shutdown()

@@ -4,10 +4,13 @@
 `ray.remote(num_cpus=..., num_gpus=...)(RolloutEngine)`. The server is SGLang on GPU
 (`python -m sglang.launch_server`) or slime's CPU engine (`python -m slime.backends.cpu_engine`);
 both speak the same HTTP API, so the control methods (inherited from `EngineClient`) are shared.
+With `--sglang-api-key KEY` both servers require `Authorization: Bearer KEY`, which the control
+methods send; without a key an engine may only bind a loopback address.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import subprocess
@@ -21,6 +24,7 @@ from slime.backends.sglang_utils.sglang_engine import (
     build_cpu_engine_args,
     build_sglang_server_args,
     cpu_engine_num_threads,
+    engine_api_key,
 )
 from slime.utils.http_utils import find_free_port, wait_until_healthy
 
@@ -62,6 +66,13 @@ class RolloutEngine(EngineClient):
     ):
         if backend not in BACKENDS:
             raise ValueError(f"unknown engine backend {backend!r}; choose one of {BACKENDS}")
+        api_key = engine_api_key(args)
+        if not api_key and not _is_loopback(host):
+            raise ValueError(
+                f"refusing to start engine {rank} on host {host!r} without an API key: engines map weight handles "
+                "sent in request bodies and accept weight pushes from anyone who can reach them. Pass "
+                "--sglang-api-key KEY, or keep the engine on 127.0.0.1."
+            )
         self.args = args
         self.rank = rank
         self.backend = backend
@@ -76,7 +87,7 @@ class RolloutEngine(EngineClient):
         self.dist_init_addr = dist_init_addr
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
-        super().__init__(f"http://{host}:{self.port}")
+        super().__init__(f"http://{host}:{self.port}", api_key=api_key)
 
     def url(self) -> str:
         """Base URL of the engine's HTTP server, e.g. "http://127.0.0.1:30001"."""
@@ -139,3 +150,12 @@ class RolloutEngine(EngineClient):
         """Stop the server and every process it started. Safe to call more than once."""
         if self.process is not None:
             stop_server_process(self.process)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # any other host name may resolve to a public interface
+        return False

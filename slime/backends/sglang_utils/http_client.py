@@ -3,6 +3,9 @@
 The router forwards only /generate, /v1/* and /flush_cache, so every control call (weight updates,
 pause/continue, memory release) goes straight to each engine through this client. Request fields are
 spelled exactly as SGLang's request structs (`UpdateWeightsFromTensorReqInput`, `AbortReq`, ...).
+An engine started with `--api-key` (slime: `--sglang-api-key`) gets it on every call as
+`Authorization: Bearer <key>`. A refused call raises `HTTPRequestError`, whose message carries the
+engine's own explanation.
 """
 
 from __future__ import annotations
@@ -20,17 +23,23 @@ class EngineClient:
     Args:
         base_url: e.g. "http://127.0.0.1:30000" (no trailing slash needed).
         timeout: Seconds to wait for any one call; weight loads on a large model can take minutes.
+        api_key: The engine's `--api-key`, sent as a bearer token; None for an engine without one.
     """
 
-    def __init__(self, base_url: str, timeout: float | None = 600.0):
+    def __init__(self, base_url: str, timeout: float | None = 600.0, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def __repr__(self) -> str:  # never print the key
+        return f"{type(self).__name__}({self.base_url!r})"
 
     def _get(self, endpoint: str) -> Any:
-        return get_json(f"{self.base_url}/{endpoint}", timeout=self.timeout)
+        return get_json(f"{self.base_url}/{endpoint}", timeout=self.timeout, headers=self._headers)
 
     def _post(self, endpoint: str, payload: dict[str, Any] | None = None) -> Any:
-        result = post_json(f"{self.base_url}/{endpoint}", payload if payload is not None else {}, timeout=self.timeout)
+        body = payload if payload is not None else {}
+        result = post_json(f"{self.base_url}/{endpoint}", body, timeout=self.timeout, headers=self._headers)
         # Weight-sync endpoints report failure as {"success": false, "message": ...}; never let one pass silently.
         if isinstance(result, dict) and result.get("success") is False:
             raise RuntimeError(f"{endpoint} on {self.base_url} failed: {result.get('message', result)}")
@@ -38,7 +47,7 @@ class EngineClient:
 
     def _is_ok(self, endpoint: str, timeout: float) -> bool:
         try:
-            get_json(f"{self.base_url}/{endpoint}", timeout=timeout, max_retries=0)
+            get_json(f"{self.base_url}/{endpoint}", timeout=timeout, max_retries=0, headers=self._headers)
         except (HTTPRequestError, ConnectionError, TimeoutError):
             return False
         return True

@@ -157,9 +157,11 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     """Arguments for `python -m slime.backends.cpu_engine` for one engine.
 
     Args:
-        args: slime's parsed arguments; reads `cpu_engine_max_running_requests` (default 32) and
-            `cpu_engine_num_threads` (torch threads of the engine process, default 1). `--sglang-*`
-            flags mean nothing to the CPU engine and are ignored with a warning.
+        args: slime's parsed arguments; reads `cpu_engine_max_running_requests` (default 32),
+            `cpu_engine_max_queued_requests` (default: the engine's own) and `cpu_engine_num_threads`
+            (torch threads of the engine process, default 1). Of the `--sglang-*` flags only
+            `--sglang-api-key` means something to the CPU engine (as `--api-key`); the others are
+            ignored with a warning.
         model_path: HF checkpoint directory the engine loads.
         host: Address the HTTP server binds.
         port: HTTP port.
@@ -167,7 +169,10 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     Returns:
         The argument list (without the `python -m slime.backends.cpu_engine` prefix).
     """
-    ignored = drop_parser_defaults(getattr(args, "sglang_server_args", None) or {}, sglang_cli_parser())
+    ignored = _normalized_options(
+        drop_parser_defaults(getattr(args, "sglang_server_args", None) or {}, sglang_cli_parser())
+    )
+    api_key = ignored.pop("api_key", None)
     if ignored:
         logger.warning("the CPU engine ignores these --sglang-* flags: %s", ", ".join(sorted(ignored)))
     return options_to_cli_args(
@@ -176,9 +181,17 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
             "host": host,
             "port": port,
             "max_running_requests": getattr(args, "cpu_engine_max_running_requests", 32),
+            "max_queued_requests": getattr(args, "cpu_engine_max_queued_requests", None),
             "num_threads": cpu_engine_num_threads(args),
+            "api_key": api_key,
         }
     )
+
+
+def engine_api_key(args: argparse.Namespace) -> str | None:
+    """The key engines require (`--sglang-api-key`), or None when they take requests without one."""
+    options = _normalized_options(getattr(args, "sglang_server_args", None) or {})
+    return options.get("api_key") or getattr(args, "sglang_api_key", None) or None
 
 
 def cpu_engine_num_threads(args: argparse.Namespace) -> int:

@@ -4,11 +4,16 @@ Built-in types: math, deepscaler, dapo, f1, gpqa, last_number (rule based); boxe
 last `\\boxed{...}` of the response; math, deepscaler and dapo find the boxed answer themselves);
 remote_rm (HTTP server at `--rm-url`); random. A sample's `metadata["rm_type"]` overrides `--rm-type`,
 so one dataset can mix reward types.
+
+math, deepscaler and dapo are graded in worker processes (`reward_workers`) under `--rm-timeout-secs`, so a
+pathological answer costs at most that and never blocks the event loop; it scores as a wrong answer and is
+counted in `pop_reward_metrics()["reward/timeouts"]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +21,7 @@ from typing import Any
 from slime.utils.misc import load_function, maybe_await
 from slime.utils.types import Sample
 
-from .dapo import compute_dapo_reward
+from .dapo import compute_dapo_reward, extract_dapo_answer
 from .deepscaler import get_deepscaler_rule_based_reward
 from .f1 import f1_score
 from .gpqa import compute_gpqa_reward
@@ -24,6 +29,27 @@ from .last_number import compute_last_number_reward
 from .math_rm import compute_math_reward
 from .math_utils import extract_boxed_answer
 from .remote_rm import remote_rm
+from .reward_workers import (
+    DEFAULT_NUM_WORKERS,
+    DEFAULT_TIMEOUT_SECS,
+    GradingCrash,
+    GradingTimeout,
+    get_reward_pool,
+    pop_reward_metrics,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "RM_TYPES",
+    "RULE_BASED_REWARDS",
+    "UNGRADED_REWARDS",
+    "RewardFunctionError",
+    "async_rm",
+    "batched_async_rm",
+    "pop_reward_metrics",
+    "resolve_rm_type",
+]
 
 # Each takes (response, label, metadata).
 RULE_BASED_REWARDS: dict[str, Callable[[str, Any, dict], float | dict]] = {
@@ -35,6 +61,12 @@ RULE_BASED_REWARDS: dict[str, Callable[[str, Any, dict], float | dict]] = {
     "last_number": lambda response, label, metadata: compute_last_number_reward(response, label),
 }
 RM_TYPES = (*RULE_BASED_REWARDS, "remote_rm", "random")
+# Types that may run sympy, and what an answer that could not be graded in time scores: the same as a wrong one.
+UNGRADED_REWARDS: dict[str, Callable[[str], float | dict]] = {
+    "math": lambda response: 0.0,
+    "deepscaler": lambda response: 0.0,
+    "dapo": lambda response: {"score": -1.0, "acc": False, "pred": extract_dapo_answer(response) or ""},
+}
 BOXED_PREFIX = "boxed_"
 BOXABLE_TYPES = ("f1", "gpqa")
 
@@ -72,6 +104,15 @@ async def _builtin_reward(args, sample: Sample, base_type: str, boxed: bool) -> 
     response = sample.response
     if boxed:
         response = extract_boxed_answer(response) or ""
+    if base_type in UNGRADED_REWARDS:
+        num_workers, timeout = getattr(args, "rm_num_workers", None), getattr(args, "rm_timeout_secs", None)
+        pool = get_reward_pool(DEFAULT_NUM_WORKERS if num_workers is None else num_workers)
+        timeout = DEFAULT_TIMEOUT_SECS if timeout is None else timeout
+        try:
+            return await pool.grade(base_type, response, sample.label, timeout)
+        except (GradingTimeout, GradingCrash) as error:
+            logger.warning("sample index %s scored as wrong: %s", sample.index, error)
+            return UNGRADED_REWARDS[base_type](response)
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
     return RULE_BASED_REWARDS[base_type](response, sample.label, metadata)
 
@@ -84,12 +125,16 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
         sample: The sample with its `response` and `label`.
         **kwargs: Passed on to a custom reward function.
 
+    math, deepscaler and dapo are graded in a worker process (`args.rm_num_workers`, default 1), each answer
+    within `args.rm_timeout_secs` (default 5); past it the answer scores as a wrong one and counts in
+    `pop_reward_metrics()`. Awaiting never blocks the event loop.
+
     Returns:
         A float, or a dict of rewards (dapo, or a custom function) to pick from with `--reward-key`.
 
     Raises:
         ValueError: no reward configured, or an unknown reward type.
-        RewardFunctionError: the reward function raised; the original error is its `__cause__`.
+        RewardFunctionError: the reward function raised (even SystemExit); the original error is its `__cause__`.
     """
     custom_rm_path = getattr(args, "custom_rm_path", None)
     if custom_rm_path:
@@ -106,7 +151,9 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
         if custom_rm_path:
             return await maybe_await(rm_function(args, sample, **kwargs))
         return await _builtin_reward(args, sample, base_type, boxed)
-    except Exception as error:
+    except asyncio.CancelledError:
+        raise
+    except BaseException as error:  # SystemExit too: escaping a task, it would stop the shared event loop
         raise RewardFunctionError(
             f"{rm_name} failed on sample index {sample.index}: {type(error).__name__}: {error}"
         ) from error
@@ -135,7 +182,9 @@ async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list[float 
     indices = [sample.index for sample in samples]
     try:
         rewards = await maybe_await(rm_function(args, samples, **kwargs))
-    except Exception as error:
+    except asyncio.CancelledError:
+        raise
+    except BaseException as error:
         raise RewardFunctionError(
             f"group reward function {custom_rm_path!r} failed on samples with index {indices}: "
             f"{type(error).__name__}: {error}"

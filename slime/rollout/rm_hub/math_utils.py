@@ -3,18 +3,22 @@
 Three steps, each usable on its own:
 1. `extract_boxed_answer`: pull the last `\\boxed{...}` out of a response.
 2. `normalize_final_answer`: strip the LaTeX dressing and units that do not change the value.
-3. `is_equiv`: string match, then exact number match, then a guarded sympy check for expressions.
+3. `is_equiv`: string match, then exact number match, then math-verify (sympy) for expressions.
+
+`is_equiv` is only bounded by its guards and, on the main thread, math-verify's alarm; the rollout grades
+in `reward_workers`, whose processes are killed past `--rm-timeout-secs`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-import signal
 import threading
 from fractions import Fraction
 
+import math_verify
 import sympy
-from sympy.parsing.sympy_parser import implicit_multiplication_application, parse_expr, standard_transformations
+from math_verify.parser import LatexExtractionConfig
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
@@ -90,15 +94,20 @@ _DROPPED = (
     "%",
 )
 
-_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)")
+# A short exponent only: Fraction("1e999999999") would build a billion-digit integer.
+_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _INT_FRACTION = re.compile(r"(-?\d+)/(-?\d+)")
 _LATEX_INT_FRACTION = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}")
 _SIMPLE_ASSIGNMENT = re.compile(r"^[A-Za-z]\w*\s*=\s*(.+)$")
 
-SYMPY_TIMEOUT_SECONDS = 2.0
-_MAX_SYMPY_CHARS = 200
+# math-verify's own per-step timeout (whole seconds, main thread only); the reward workers set it to None.
+SYMPY_TIMEOUT_SECONDS: int | None = 2
 _MAX_EXPONENT = 1000
+# Answers are LaTeX; math-verify's plain-expression extractor is not needed for them.
+_LATEX_ONLY = [LatexExtractionConfig()]
+# math-verify warns once that it runs without a timeout; that is on purpose off the main thread.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def _read_brace_group(text: str, open_index: int) -> tuple[str, int] | None:
@@ -217,155 +226,53 @@ def _as_exact_number(answer: str) -> Fraction | None:
     return None
 
 
-_LATEX_TO_SYMPY = {
-    "\\cdot": "*",
-    "\\times": "*",
-    "\\div": "/",
-    "\\pi": "pi",
-    "\\sin": "sin",
-    "\\cos": "cos",
-    "\\tan": "tan",
-    "\\ln": "log",
-    "\\log": "log",
-    "\\exp": "exp",
-}
-_SYMPY_FUNCTIONS = {"sqrt": sympy.sqrt, "pi": sympy.pi, "sin": sympy.sin, "cos": sympy.cos, "tan": sympy.tan}
-_SYMPY_FUNCTIONS.update({"log": sympy.log, "exp": sympy.exp})
-
-
-def _latex_to_sympy_text(answer: str) -> str | None:
-    """Rewrite a normalized LaTeX answer as a sympy expression string, or None if it uses anything else.
-
-    Only digits, single-letter variables, + - * / ^ ( ) and a few known functions survive. This
-    allowlist matters: `parse_expr` evaluates Python, and the answer comes from a model.
-    """
-    out = []
-    i = 0
-    while i < len(answer):
-        if answer.startswith("\\frac{", i) or answer.startswith("\\sqrt", i):
-            is_frac = answer.startswith("\\frac", i)
-            i += 5
-            root_index = None
-            if not is_frac and answer.startswith("[", i):
-                close = answer.find("]", i)
-                if close < 0:
-                    return None
-                root_index = _latex_to_sympy_text(answer[i + 1 : close])
-                if root_index is None:
-                    return None
-                i = close + 1
-            first = _read_brace_group(answer, i) if answer.startswith("{", i) else None
-            if first is None:
-                return None
-            first_text = _latex_to_sympy_text(first[0])
-            i = first[1]
-            if first_text is None:
-                return None
-            if is_frac:
-                second = _read_brace_group(answer, i) if answer.startswith("{", i) else None
-                second_text = _latex_to_sympy_text(second[0]) if second else None
-                if second_text is None:
-                    return None
-                i = second[1]
-                out.append(f"(({first_text})/({second_text}))")
-            elif root_index is not None:
-                out.append(f"(({first_text})**(1/({root_index})))")
-            else:
-                out.append(f"sqrt({first_text})")
-            continue
-        if answer[i] == "\\":
-            command = next((c for c in _LATEX_TO_SYMPY if answer.startswith(c, i)), None)
-            if command is None:
-                return None
-            out.append(f" {_LATEX_TO_SYMPY[command]} ")
-            i += len(command)
-            continue
-        out.append(answer[i])
-        i += 1
-    text = "".join(out).replace("{", "(").replace("}", ")").replace("^", "**")
-    if not re.fullmatch(r"[0-9A-Za-z+\-*/().\s]*", text):
-        return None
-    for name in re.findall(r"[A-Za-z]+", text):
-        if len(name) > 1 and name not in _SYMPY_FUNCTIONS:
-            return None
-    return text
-
-
-def _exponent_load(expr: sympy.Basic) -> float:
+def _exponent_load(expr) -> float:
     """Largest product of numeric exponents stacked on one path, e.g. `((2^10)^10)^10` → 1000.
 
     Inner loads are checked first, so evaluating a numeric exponent here is always cheap.
     """
+    if not isinstance(expr, sympy.Basic):
+        return 1.0
     load = 1.0
     for arg in expr.args:
         load = max(load, _exponent_load(arg))
         if load > _MAX_EXPONENT:
             return load
-    if isinstance(expr, sympy.Pow):
-        exponent = abs(float(expr.exp)) if expr.exp.is_number else 1.0
+    if isinstance(expr, sympy.Pow) and expr.exp.is_number:
+        try:
+            exponent = abs(complex(expr.exp))
+        except (TypeError, ValueError):
+            exponent = 1.0
         load = max(load, exponent * _exponent_load(expr.base))
     return load
 
 
-_TRANSFORMATIONS = standard_transformations + (implicit_multiplication_application,)
-
-
-def _parse_guarded(text: str) -> sympy.Expr | None:
-    """Parse without evaluating, reject huge or stacked powers (they can take forever), then evaluate."""
-    local_dict = dict(_SYMPY_FUNCTIONS)
-    local_dict.update({name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z]+", text) if len(name) == 1})
-    raw = parse_expr(text, local_dict=local_dict, transformations=_TRANSFORMATIONS, evaluate=False)
-    if _exponent_load(raw) > _MAX_EXPONENT:
-        return None
-    return parse_expr(text, local_dict=local_dict, transformations=_TRANSFORMATIONS)
-
-
-class _SympyTimeout(Exception):
-    pass
-
-
-def _raise_timeout(signum, frame):
-    raise _SympyTimeout(f"sympy took longer than {SYMPY_TIMEOUT_SECONDS} s")
-
-
-def _sympy_equal(first: str, second: str) -> bool:
-    first_text, second_text = _latex_to_sympy_text(first), _latex_to_sympy_text(second)
-    if not first_text or not second_text or max(len(first_text), len(second_text)) > _MAX_SYMPY_CHARS:
-        return False
-    first_expr, second_expr = _parse_guarded(first_text), _parse_guarded(second_text)
-    if first_expr is None or second_expr is None:
-        return False
-    difference = first_expr - second_expr
-    return difference == 0 or sympy.simplify(difference) == 0
-
-
-def _sympy_equal_with_timeout(first: str, second: str) -> bool:
-    """`_sympy_equal` under a SIGALRM deadline when possible; any sympy failure counts as not equal.
-
-    Signals only work on the main thread; elsewhere the size and exponent guards in `_parse_guarded`
-    are what keep sympy fast.
-    """
-    use_alarm = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-    previous_handler = None
-    if use_alarm:
-        previous_handler = signal.signal(signal.SIGALRM, _raise_timeout)
-        signal.setitimer(signal.ITIMER_REAL, SYMPY_TIMEOUT_SECONDS)
+def _symbolic_equal(prediction: str, reference: str) -> bool:
+    """math-verify's verdict on two LaTeX answers; huge or stacked powers are refused before any evaluation."""
+    # math-verify times out with SIGALRM, which only works on the main thread; elsewhere (and in the reward
+    # workers, whose parent kills them instead) it runs without one.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    timeout = SYMPY_TIMEOUT_SECONDS if on_main_thread else None
     try:
-        return bool(_sympy_equal(first, second))
-    except Exception:  # _SympyTimeout, and anything sympy raises on odd input
+        gold = math_verify.parse(f"${reference}$", _LATEX_ONLY, parsing_timeout=timeout)
+        predicted = math_verify.parse(f"${prediction}$", _LATEX_ONLY, parsing_timeout=timeout)
+        if not gold or not predicted:
+            return False
+        # parse() builds unevaluated expressions, so the guard runs before sympy computes anything.
+        if any(_exponent_load(expr) > _MAX_EXPONENT for expr in (*gold, *predicted)):
+            return False
+        return bool(math_verify.verify(gold, predicted, timeout_seconds=timeout))
+    except Exception:  # anything math-verify or sympy raise on odd input
         return False
-    finally:
-        if use_alarm:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous_handler or signal.SIG_DFL)
 
 
 def is_equiv(prediction: str | None, reference: str | None) -> bool:
     """Whether two final answers denote the same value.
 
     Checks, in order: normalized strings equal; both are plain numbers with the same exact value
-    (`0.5`, `1/2`, `\\frac{1}{2}`); sympy finds their difference simplifies to 0 (`2\\sqrt{2}` vs `\\sqrt{8}`).
-    Never raises; sympy is bounded by guards and a timeout.
+    (`0.5`, `1/2`, `\\frac{1}{2}`); math-verify finds them equal (`2\\sqrt{2}` vs `\\sqrt{8}`, `\\{1,2\\}` vs
+    `\\{2,1\\}`). Never raises. Powers too large to evaluate are refused up front; anything else slow is only
+    stopped by math-verify's alarm on the main thread, or by running it in `reward_workers`.
 
     Args:
         prediction: The model's answer (already extracted), or None.
@@ -384,4 +291,4 @@ def is_equiv(prediction: str | None, reference: str | None) -> bool:
     first_number, second_number = _as_exact_number(first), _as_exact_number(second)
     if first_number is not None and second_number is not None:
         return first_number == second_number
-    return _sympy_equal_with_timeout(first, second)
+    return _symbolic_equal(str(prediction).strip(), str(reference).strip())
