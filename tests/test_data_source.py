@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
+from untrusted_payloads import MakesAFolderWhenUnpickled
 
 from slime.rollout.data_source import (
     RolloutDataSource,
@@ -259,16 +260,6 @@ def test_buffer_round_trips_all_sample_fields(tmp_path):
     restored.load(0)
     assert restored.buffer[0][0] == group[0]
     assert isinstance(restored.buffer[0][0], Sample)
-
-
-class MakesAFolderWhenUnpickled:
-    """Unpickling this object runs code: it creates the folder `path`."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __reduce__(self):
-        return os.makedirs, (self.path,)
 
 
 @pytest.mark.reliability(

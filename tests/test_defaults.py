@@ -6,12 +6,10 @@ relies on (sampling params, reward key, the rollout's context arithmetic).
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from e2e_runs import run_driver_script, write_addition_prompts
 
 from slime.ray.rollout import rollout_metrics, samples_to_train_data
 from slime.rollout import sglang_rollout
@@ -21,16 +19,10 @@ from slime.utils.arguments import parse_args
 from slime.utils.async_utils import run
 from slime.utils.types import Sample, Status
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
-
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("defaults_data") / "train.jsonl"
-    rows = [{"prompt": f"What is {a} + {b}?", "label": str(a + b)} for a in range(1, 4) for b in range(1, 4)]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_addition_prompts(tmp_path_factory.mktemp("defaults_data") / "train.jsonl", range(1, 4))
 
 
 def required_flags(model_dir, prompt_file) -> list[str]:
@@ -39,7 +31,7 @@ def required_flags(model_dir, prompt_file) -> list[str]:
         "--hf-checkpoint", str(model_dir),
         "--prompt-data", str(prompt_file), "--input-key", "prompt", "--label-key", "label",
         "--rm-type", "last_number",
-        "--rollout-batch-size", "2", "--num-rollout", "2",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2",
     ]  # fmt: skip
 
 
@@ -54,9 +46,7 @@ def context_length(model_dir) -> int:
 
 
 def test_train_py_runs_with_only_the_required_flags(tiny_model_dir, prompt_file):
-    command = [sys.executable, "train.py", *required_flags(tiny_model_dir, prompt_file)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    result = run_driver_script("train.py", *required_flags(tiny_model_dir, prompt_file), timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     # Both rollouts were generated and trained on (the step line carries the trainer's loss).

@@ -2,47 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from e2e_runs import rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
 
 from slime.utils.types import Sample
-
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
 
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ft_data") / "train.jsonl"
-    rows = [{"prompt": f"What is {a} + {b}?", "label": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_addition_prompts(tmp_path_factory.mktemp("ft_data") / "train.jsonl")
 
 
-def run_train(model_dir, prompt_file, save_dir, *extra, timeout=420) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "train.py",
-        "--hf-checkpoint", str(model_dir),
-        "--prompt-data", str(prompt_file), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-        "--rm-type", "last_number", "--rollout-shuffle",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
-        "--lr", "1e-3", "--save", str(save_dir),
-        "--save-debug-rollout-data", str(save_dir / "rollouts" / "rollout_{rollout_id}.pt"),
-        *extra,
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def metrics(save_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if "rollout/reward" in row]
+def run_train(model_dir, prompt_file, save_dir, *extra) -> subprocess.CompletedProcess:
+    return run_driver_script("train.py", *small_run_flags(model_dir, prompt_file, save_dir), *extra)
 
 
 def rollout_samples(save_dir: Path, rollout_id: int) -> list[Sample]:
@@ -67,7 +43,7 @@ def test_killed_engine_is_replaced_and_the_run_completes(tiny_model_dir, prompt_
         "--custom-generate-function-path", "fault_injection.kill_second_engine_in_rollout_1",
     )  # fmt: skip
     assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    history = metrics(tmp_path)
+    history = rollout_rows(tmp_path)
     assert [row["rollout_id"] for row in history] == [0, 1, 2]
     assert [row["rollout/engine_restarts"] for row in history] == [0, 1, 1]
     # After the push that follows the restart, every engine (the replacement too) matches the trainer.
@@ -109,11 +85,11 @@ def test_dead_trainer_rank_is_named_and_load_resumes(tiny_model_dir, prompt_file
     assert result.returncode != 0
     line = last_line(result)
     assert "training rank 0 of the actor" in line and f"--load {tmp_path}" in line, line
-    assert [row["rollout_id"] for row in metrics(tmp_path)] == [0]
+    assert [row["rollout_id"] for row in rollout_rows(tmp_path)] == [0]
 
     resumed = run_train(
         tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "3", "--save-interval", "1", "--load", str(tmp_path),
         *hook,
     )  # fmt: skip
     assert resumed.returncode == 0, f"resume failed:\n{resumed.stderr[-6000:]}"
-    assert [row["rollout_id"] for row in metrics(tmp_path)] == [0, 1, 2]
+    assert [row["rollout_id"] for row in rollout_rows(tmp_path)] == [0, 1, 2]

@@ -1,13 +1,13 @@
 """Command-line tools on small inputs."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from untrusted_payloads import MakesAFolderWhenUnpickled
 
 from slime.utils.types import Sample, Status
 
@@ -59,16 +59,6 @@ def test_display_rollout_data_summarizes(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "rollout 7: 4 samples in 2 groups | reward mean 0.500" in result.stdout
     assert "'truncated': 1" in result.stdout and "'completed': 3" in result.stdout
-
-
-class MakesAFolderWhenUnpickled:
-    """Unpickling this object runs code: it creates the folder `path`."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __reduce__(self):
-        return os.makedirs, (self.path,)
 
 
 @pytest.mark.reliability(

@@ -3,45 +3,22 @@
 Each run is a subprocess, exactly as a user starts it, with a tiny random model.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from e2e_runs import rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
 
 from slime.utils.types import Sample
-
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
 
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("e2e_data") / "train.jsonl"
-    rows = [{"prompt": f"What is {a} + {b}?", "label": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_addition_prompts(tmp_path_factory.mktemp("e2e_data") / "train.jsonl")
 
 
 def run_script(script: str, model_dir, prompt_file, save_dir, *extra, timeout=300):
-    command = [
-        sys.executable, script,
-        "--hf-checkpoint", str(model_dir),
-        "--prompt-data", str(prompt_file), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-        "--rm-type", "last_number", "--rollout-shuffle",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
-        "--lr", "1e-3", "--save", str(save_dir),
-        "--save-debug-rollout-data", str(save_dir / "rollouts" / "rollout_{rollout_id}.pt"),
-        *extra,
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    result = run_driver_script(script, *small_run_flags(model_dir, prompt_file, save_dir), *extra, timeout=timeout)
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    history = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
-    return [h for h in history if "rollout/reward" in h]
+    return rollout_rows(save_dir)
 
 
 def rollout_prompts(save_dir, rollout_id):

@@ -26,10 +26,26 @@ logger = logging.getLogger(__name__)
 _CHECKPOINT_NAME = re.compile(r"^data_source_(\d+)\.pt$")
 
 
-def _refused_type(error: pickle.UnpicklingError) -> str:
-    """The type `torch.load(weights_only=True)` refused, from its message."""
-    match = re.search(r"GLOBAL (\S+)", str(error))
-    return match.group(1) if match else "an object that is not a plain value or tensor"
+_PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor)
+
+
+def _first_unsafe_value(value: Any, where: str = "state") -> str | None:
+    """Where the first value `torch.load(weights_only=True)` cannot rebuild sits, and its type; None if none."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _first_unsafe_value(key, f"{where} key") or _first_unsafe_value(item, f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = _first_unsafe_value(item, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, _PLAIN_TYPES):
+        return None
+    return f"{type(value).__module__}.{type(value).__qualname__} at {where}"
 
 
 def compute_num_rollout(args: Any, dataset_len: int) -> int:
@@ -210,18 +226,19 @@ class RolloutDataSource:
         # Write beside the target and rename, so a crash never leaves a truncated checkpoint under the real name.
         fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".data_source_{rollout_id}.", suffix=".tmp")
         try:
+            state = self.state_dict()
+            unsafe = _first_unsafe_value(state)
+            if unsafe:
+                raise TypeError(
+                    f"the data source state of rollout {rollout_id} holds an object a checkpoint cannot store safely "
+                    f"({unsafe}); keep Sample.metadata / label / reward of samples put back into the buffer to "
+                    "plain Python values (str, int, float, bool, None, list, dict) and tensors"
+                )
             with os.fdopen(fd, "wb") as f:
-                torch.save(self.state_dict(), f)
+                torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-            try:
-                torch.load(tmp_path, weights_only=True)
-            except pickle.UnpicklingError as e:
-                raise TypeError(
-                    f"the data source state of rollout {rollout_id} holds objects a checkpoint cannot store safely "
-                    f"(a {_refused_type(e)}); keep Sample.metadata / label / reward of samples put back "
-                    "into the buffer to plain Python values (str, int, float, bool, None, list, dict) and tensors"
-                ) from e
+            torch.load(tmp_path, weights_only=True)  # the guarantee itself: resuming will never unpickle code
             os.replace(tmp_path, path)
         except BaseException:
             if os.path.exists(tmp_path):
@@ -256,7 +273,7 @@ class RolloutDataSource:
             state = torch.load(path, weights_only=True)  # `save` wrote only plain values and tensors
         except pickle.UnpicklingError as e:
             raise ValueError(
-                f"{path} holds objects beyond plain Python values and tensors (a {_refused_type(e)}); "
+                f"{path} holds objects beyond plain Python values and tensors ({e}); "
                 "slime does not unpickle them, as that could run code from the file. It was not written by this "
                 "version of slime's data source: resume from a checkpoint it wrote, or start a new run"
             ) from e
