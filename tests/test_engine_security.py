@@ -121,7 +121,8 @@ def test_public_host_without_a_key_is_refused(tiny_model_dir):
 
 @pytest.mark.reliability("--sglang-api-key empty, or --cpu-engine-max-queued-requests 0", "refused at parse time")
 def test_engine_flags_are_validated():
-    base = ["--rollout-batch-size", "4", "--hf-checkpoint", "/m", "--num-rollout", "1", "--prompt-data", "/p.jsonl"]
+    base = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--hf-checkpoint", "/m", "--num-rollout", "1",
+            "--prompt-data", "/p.jsonl"]  # fmt: skip
     with pytest.raises(ArgumentValidationError, match="--cpu-engine-max-queued-requests"):
         parse_args([*base, "--cpu-engine-max-queued-requests", "0"])
     with pytest.raises(ArgumentValidationError, match="--sglang-api-key"):

@@ -60,9 +60,9 @@ def make_args(model_dir, *extra: str, num_samples: int = 8, num_steps: int = 1):
             "--num-rollout",
             "4",
             "--rollout-batch-size",
-            str(num_samples),
+            str(num_samples // 2),
             "--n-samples-per-prompt",
-            "1",
+            "2",
             "--global-batch-size",
             str(num_samples // num_steps),
             *extra,
@@ -262,7 +262,7 @@ def test_grpo_step_moves_probability_towards_rewarded_samples(tiny_model_dir):
 
 
 def test_nan_gradient_step_is_skipped(tiny_model_dir):
-    args = make_args(tiny_model_dir, "--lr", "1e-3", num_steps=2)
+    args = make_args(tiny_model_dir, "--lr", "1e-3", "--no-check-for-nan-in-loss-and-grad", num_steps=2)
     actor = new_actor(args)
     data = make_rollout(8, seed=6, num_steps=2)
     before = snapshot_local_shards(actor.model)

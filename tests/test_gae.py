@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from slime.utils.ppo_utils import (
+from slime.algorithms.gae import (
     chunked_discounted_returns,
     chunked_gae,
     get_advantages_and_returns_batch,

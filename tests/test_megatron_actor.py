@@ -49,7 +49,7 @@ def make_args(model_dir: str, *extra: str):
 
     return parse_args(
         ["--train-backend", "megatron", "--hf-checkpoint", model_dir, "--prompt-data", "unused.jsonl",
-         "--num-rollout", "4", "--rollout-batch-size", "8", "--n-samples-per-prompt", "1",
+         "--num-rollout", "4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
          "--global-batch-size", "8", "--micro-batch-size", "3", "--lr", "1e-2", "--weight-decay", "0", *extra]
     )  # fmt: skip
 

@@ -33,7 +33,7 @@ def capture(args, rollout_id, data):
 def make_args(model_dir: str, backend: str):
     return parse_args(
         ["--train-backend", backend, "--hf-checkpoint", model_dir, "--prompt-data", "unused.jsonl",
-         "--num-rollout", "4", "--rollout-batch-size", "8", "--n-samples-per-prompt", "1",
+         "--num-rollout", "4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
          "--global-batch-size", "4", "--micro-batch-size", "3", "--lr", "5e-3", "--weight-decay", "0",
          "--clip-grad", "1.0", "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.5",
          "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.01",

@@ -204,7 +204,7 @@ MODEL_SCRIPTS = sorted((REPO / "scripts" / "models").glob("*.sh"))
 RECIPES = sorted((REPO / "scripts").glob("run-qwen3-4B*.sh"))
 # What a recipe adds around MODEL_ARGS that the parser requires; paths need not exist to parse.
 MINIMAL_SLIME_FLAGS = ["--train-backend", "megatron", "--hf-checkpoint", "/models/x", "--prompt-data", "p.jsonl",
-                       "--rollout-batch-size", "4", "--num-rollout", "1"]  # fmt: skip
+                       "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "1"]  # fmt: skip
 
 
 def model_args_of(script: Path) -> list[str]:

@@ -1,5 +1,6 @@
-"""Tests for slime/utils/ppo_utils.py. Expected values are worked out by hand in comments or by a
-naive Python implementation inside the test, never by calling the code under test."""
+"""Tests for the RL math of slime.algorithms (re-exported by slime/utils/ppo_utils.py, imported from there
+as upstream code does). Expected values are worked out by hand in comments or by a naive Python
+implementation inside the test, never by calling the code under test."""
 
 import math
 from argparse import Namespace

@@ -11,8 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.ray.rollout import samples_to_train_data
-from slime.rollout.sft_rollout import generate_rollout, load_chat_tokenizer, tokenize_conversation
+from slime.rollout.sft_rollout import generate_rollout, load_chat_tokenizer
 from slime.utils.arguments import ArgumentValidationError, parse_args
+from slime.utils.mask_utils import tokenize_conversation
 from slime.utils.misc import load_function
 from slime.utils.types import Status
 

@@ -53,6 +53,8 @@ def check_resume(args) -> int | None:
         FileNotFoundError: naming the step, the missing parts and the fix.
     """
     step = run_dir.committed_step(args.load)
+    if getattr(args, "ckpt_step", None) is not None and args.train_backend == "fsdp":
+        step = args.ckpt_step  # Megatron's --ckpt-step: resume from this step instead of the tracker's
     if step is None:
         return None
     roles = [] if args.debug_rollout_only else ["actor"] + (["critic"] if args.use_critic else [])

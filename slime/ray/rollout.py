@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 import ray
 import torch
 
+from slime.algorithms.advantages import group_baseline_rewards
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.sglang_utils.sglang_engine import engine_api_key
@@ -29,13 +31,10 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import compute_num_rollout
 from slime.rollout.rm_hub import pop_reward_metrics
 from slime.utils.misc import load_function
-from slime.utils.ppo_utils import normalize_group_rewards
 from slime.utils.seqlen_balancing import balanced_partitions
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
-
-GROUP_NORMALIZED_ESTIMATORS = ("grpo", "gspo", "cispo")
 
 
 @dataclass
@@ -64,16 +63,7 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
         raw_rewards, rewards = load_function(args.custom_reward_post_process_path)(args, samples)
     else:
         raw_rewards = [s.get_reward_value(args.reward_key) for s in samples]
-        rewards = list(raw_rewards)
-        estimator = args.advantage_estimator
-        if not args.disable_rewards_normalization and estimator in (
-            *GROUP_NORMALIZED_ESTIMATORS,
-            "reinforce_plus_plus_baseline",
-        ):
-            std_normalization = estimator in GROUP_NORMALIZED_ESTIMATORS and not args.disable_grpo_std_normalization
-            rewards = normalize_group_rewards(
-                torch.tensor(raw_rewards, dtype=torch.float32), args.n_samples_per_prompt, std_normalization
-            ).tolist()
+        rewards = group_baseline_rewards(args, raw_rewards)  # the estimator's per-prompt baseline (GRPO, RLOO, ...)
 
     data: dict[str, list] = {
         "tokens": [s.tokens for s in samples],
@@ -93,7 +83,91 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
             data["loss_masks"][i] = [0] * s.response_length
     if all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [s.rollout_log_probs for s in samples]
+    if getattr(args, "keep_old_actor", False):  # the trainer takes old log-probs from the weights that generated them
+        data["weight_versions"] = [s.weight_versions[-1] if s.weight_versions else None for s in samples]
     return data
+
+
+# What the trainers need of a custom --custom-convert-samples-to-train-data-path result.
+REQUIRED_TRAIN_DATA_KEYS = ("tokens", "response_lengths", "rewards", "loss_masks")
+
+
+def convert_samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
+    """`samples_to_train_data`, or the user's `--custom-convert-samples-to-train-data-path` f(args, samples) -> dict.
+
+    Raises:
+        ValueError: The custom result is not a dict of per-sample lists with the keys the trainers need.
+    """
+    path = args.custom_convert_samples_to_train_data_path
+    if not path:
+        return samples_to_train_data(args, samples)
+    data = load_function(path)(args, samples)
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--custom-convert-samples-to-train-data-path {path} returned {type(data).__name__}, not a dict"
+        )
+    missing = [key for key in REQUIRED_TRAIN_DATA_KEYS if key not in data]
+    if missing:
+        raise ValueError(
+            f"--custom-convert-samples-to-train-data-path {path} returned no {', '.join(missing)}; the trainers "
+            f"need {', '.join(REQUIRED_TRAIN_DATA_KEYS)} (one entry per sample)"
+        )
+    lengths = {key: len(value) for key, value in data.items() if isinstance(value, list)}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(
+            f"--custom-convert-samples-to-train-data-path {path} returned lists of different lengths {lengths}; "
+            "every per-sample list must have one entry per sample"
+        )
+    return data
+
+
+def pass_at_k(groups: list[list[float]]) -> dict[int, float]:
+    """Unbiased pass@k over prompt groups (Chen et al., 2021), for k = 1, 2, 4, ... up to the smallest group.
+
+    A sample passes when its reward is at least 1 (the built-in graders give 1 for a correct answer).
+
+    Args:
+        groups: The rewards of each prompt's samples.
+
+    Returns:
+        {k: mean over groups of 1 - C(n - c, k) / C(n, k)} with n samples and c passes in a group.
+    """
+    groups = [g for g in groups if g]
+    if not groups:
+        return {}
+    smallest = min(len(g) for g in groups)
+    result = {}
+    k = 1
+    while k <= smallest:
+        values = []
+        for group in groups:
+            n, c = len(group), sum(r >= 1 for r in group)
+            values.append(1.0 - math.comb(n - c, k) / math.comb(n, k))
+        result[k] = sum(values) / len(values)
+        k *= 2
+    return result
+
+
+def reward_breakdown_metrics(args, groups: list[list[Sample]], reward_key: str | None, prefix: str) -> dict[str, float]:
+    """The optional reward figures: `--log-passrate` (`<prefix>/pass@k`), `--log-reward-category`
+    (`<prefix>/reward/<category>`), `--log-correct-samples` (response lengths of passing / failing samples)."""
+    metrics: dict[str, float] = {}
+    if args.log_passrate:
+        rewards = [[s.get_reward_value(reward_key) for s in group] for group in groups]
+        metrics |= {f"{prefix}/pass@{k}": value for k, value in pass_at_k(rewards).items()}
+    samples = [s for group in groups for s in group]
+    if args.log_reward_category:
+        by_category: dict[str, list[float]] = {}
+        for s in samples:
+            category = str((s.metadata or {}).get(args.log_reward_category, "none"))
+            by_category.setdefault(category, []).append(s.get_reward_value(reward_key))
+        metrics |= {f"{prefix}/reward/{c}": sum(r) / len(r) for c, r in sorted(by_category.items())}
+    if args.log_correct_samples:
+        for name, passed in (("correct", True), ("incorrect", False)):
+            lengths = [s.response_length for s in samples if (s.get_reward_value(reward_key) >= 1) == passed]
+            if lengths:
+                metrics[f"{prefix}/{name}_response_length"] = sum(lengths) / len(lengths)
+    return metrics
 
 
 def split_train_data_by_dp(args, data: dict[str, list], dp_size: int) -> list[dict[str, Any]]:
@@ -341,27 +415,39 @@ class RolloutManager:
         started = time.time()
         if hasattr(self.data_source, "state_dict"):
             self.state_before_rollout = (rollout_id, copy.deepcopy(self.data_source.state_dict()))
-        if self.args.load_debug_rollout_data:
+        args = self.args
+        if args.load_debug_rollout_data:
             samples, extra_metrics = self._load_debug_rollout_data(rollout_id), {}
+            n = args.n_samples_per_prompt
+            groups = [samples[i : i + n] for i in range(0, len(samples), n)]
         else:
             output = self._call_rollout_fn(self.rollout_fn, rollout_id, evaluation=False)
             if isinstance(output, RolloutFnTrainOutput):
                 groups, extra_metrics = output.samples, output.metrics
             else:
                 groups, extra_metrics = output, {}
-            samples = [s for group in groups for s in (group if isinstance(group, list) else [group])]
+            groups = [group if isinstance(group, list) else [group] for group in groups]
+            samples = [s for group in groups for s in group]
         elapsed = time.time() - started
-        if self.args.save_debug_rollout_data:
+        if args.save_debug_rollout_data:
             self._save_debug_rollout_data(rollout_id, samples)
 
-        metrics = {**rollout_metrics(samples, self.args.reward_key, elapsed), **extra_metrics}
+        log_function = args.custom_rollout_log_function_path
+        # The user's f(rollout_id, args, samples, extra_metrics, rollout_time) -> True replaces the default figures.
+        if log_function and load_function(log_function)(rollout_id, args, samples, extra_metrics, elapsed):
+            metrics = dict(extra_metrics)
+        else:
+            metrics = {**rollout_metrics(samples, args.reward_key, elapsed), **extra_metrics}
+            metrics |= reward_breakdown_metrics(args, groups, args.reward_key, "rollout")
         metrics |= pop_reward_metrics()
         if self.monitor is not None:
             metrics["rollout/engine_restarts"] = self.num_engine_restarts
-        if self.args.debug_rollout_only:
+        if args.debug_rollout_only:
             return RolloutBatch(rollout_id, [], metrics)
-        data = samples_to_train_data(self.args, samples)
-        shards = split_train_data_by_dp(self.args, data, dp_size)
+        data = convert_samples_to_train_data(args, samples)
+        shards = split_train_data_by_dp(args, data, dp_size)
+        if args.save_debug_train_data:
+            self._save_debug_train_data(rollout_id, shards)
         return RolloutBatch(rollout_id, [ray.put(shard) for shard in shards], metrics)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
@@ -371,10 +457,19 @@ class RolloutManager:
         output = self._call_rollout_fn(self.eval_fn, rollout_id, evaluation=True)
         data = output.data if isinstance(output, RolloutFnEvalOutput) else output
         metrics = dict(output.metrics) if isinstance(output, RolloutFnEvalOutput) else {}
+        log_function = self.args.custom_eval_rollout_log_function_path
+        # The user's f(rollout_id, args, data, extra_metrics) -> True replaces the default eval figures.
+        if log_function and load_function(log_function)(rollout_id, self.args, data, metrics):
+            return metrics
+        reward_key = self.args.eval_reward_key or self.args.reward_key
+        n = self.args.n_samples_per_eval_prompt
         for name, result in data.items():
             rewards = result["rewards"]
             metrics[f"eval/{name}"] = sum(rewards) / max(len(rewards), 1)
             metrics[f"eval/{name}/truncated"] = sum(result["truncated"]) / max(len(rewards), 1)
+            samples = result.get("samples") or []
+            groups = [samples[i : i + n] for i in range(0, len(samples), n)]
+            metrics |= reward_breakdown_metrics(self.args, groups, reward_key, f"eval/{name}")
         return metrics
 
     # ---- debug data ----------------------------------------------------------------------
@@ -385,10 +480,32 @@ class RolloutManager:
         logger.info("saved rollout %d samples to %s", rollout_id, path)
 
     def _load_debug_rollout_data(self, rollout_id: int) -> list[Sample]:
+        """The saved samples of `rollout_id`; `--load-debug-rollout-data-subsample F` keeps the first fraction F of
+        them, whole prompt groups and whole global batches."""
         path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
         if not os.path.exists(path):
             raise FileNotFoundError(f"--load-debug-rollout-data: no file {path} for rollout {rollout_id}")
-        return [Sample.from_dict(d) for d in torch.load(path, weights_only=True)["samples"]]
+        samples = [Sample.from_dict(d) for d in torch.load(path, weights_only=True)["samples"]]
+        fraction = self.args.load_debug_rollout_data_subsample
+        if fraction is not None:
+            unit = math.lcm(self.args.n_samples_per_prompt, self.args.global_batch_size)
+            keep = int(len(samples) * fraction) // unit * unit
+            if keep == 0:
+                raise ValueError(
+                    f"--load-debug-rollout-data-subsample {fraction} keeps {int(len(samples) * fraction)} of the "
+                    f"{len(samples)} samples in {path}, less than {unit} (whole prompt groups making whole global "
+                    "batches); raise it"
+                )
+            samples = samples[:keep]
+        return samples
+
+    def _save_debug_train_data(self, rollout_id: int, shards: list[dict[str, Any]]) -> None:
+        """--save-debug-train-data: each data-parallel rank's train data, as its trainer receives it."""
+        for rank, shard in enumerate(shards):
+            path = self.args.save_debug_train_data.format(rollout_id=rollout_id, rank=rank)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.save({"rollout_id": rollout_id, "rank": rank, "data": shard}, path)
+        logger.info("saved rollout %d train data of %d ranks", rollout_id, len(shards))
 
     # ---- checkpoint & memory -------------------------------------------------------------
     def save(self, rollout_id: int) -> None:

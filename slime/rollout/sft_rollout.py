@@ -8,31 +8,22 @@ It becomes one training sequence, rendered with the tokenizer's chat template. T
 starts at the first assistant token and runs to the end of the conversation; `loss_mask` is 1 exactly
 on the tokens of assistant turns, so system, user and tool messages in between are context only.
 
-Assistant turns are located by rendering growing prefixes of the conversation: the messages before
-turn i with the generation prompt (where the model would start writing), and the messages up to and
-including turn i (where it stopped). Both must be prefixes of the whole rendered conversation.
+Assistant turns are located by rendering growing prefixes of the conversation with the chat template
+(slime/utils/mask_utils.py, shared with custom generate functions).
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.utils.mask_utils import tokenize_conversation
 from slime.utils.types import Sample, Status
-
-
-@dataclass
-class Segment:
-    """A stretch of the rendered conversation; `trainable` marks text written by an assistant turn."""
-
-    text: str
-    trainable: bool
 
 
 @functools.lru_cache(maxsize=4)
@@ -51,106 +42,6 @@ def load_chat_tokenizer(path: str) -> Any:
 def _preview(value: Any, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _render(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    tools: Any,
-    chat_template_kwargs: dict[str, Any],
-) -> str:
-    kwargs = {**chat_template_kwargs, "add_generation_prompt": add_generation_prompt}
-    try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
-    except Exception as e:  # jinja raises its own errors (e.g. "roles must alternate")
-        raise ValueError(
-            f"the chat template failed on the first {len(messages)} message(s) of the conversation "
-            f"({type(e).__name__}: {e}); check the conversation's roles and fields"
-        ) from e
-
-
-def conversation_segments(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    tools: Any = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-) -> list[Segment]:
-    """Split the rendered conversation into context and assistant segments.
-
-    Args:
-        tokenizer: A Hugging Face tokenizer with a chat template.
-        messages: The conversation: dicts with at least a `role`; it needs one `assistant` message or more.
-        tools: Tool definitions for the chat template (`tools=`), or None.
-        chat_template_kwargs: Extra `apply_chat_template` arguments (`--apply-chat-template-kwargs`).
-
-    Returns:
-        Segments whose texts concatenate to the whole rendered conversation, alternating context
-        (`trainable=False`) and assistant turns (`trainable=True`); an assistant segment runs from the end of
-        the generation prompt to the end of the turn (its end-of-turn marker included).
-    """
-    kwargs = dict(chat_template_kwargs or {})
-    full = _render(tokenizer, messages, False, tools, kwargs)
-    segments: list[Segment] = []
-    consumed = 0  # characters of `full` already assigned to a segment
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start_text = _render(tokenizer, messages[:i], True, tools, kwargs)
-        end_text = _render(tokenizer, messages[: i + 1], False, tools, kwargs)
-        if not (full.startswith(start_text) and len(start_text) >= consumed):
-            raise ValueError(
-                f"assistant turn at message {i}: the chat template renders the messages before it plus the "
-                "generation prompt differently from how they appear in the whole conversation, so the turn cannot "
-                "be located; the template must render a conversation's history the same whatever follows it"
-            )
-        if not (full.startswith(end_text) and len(end_text) > len(start_text)):
-            raise ValueError(
-                f"assistant turn at message {i}: the chat template renders this turn differently once later "
-                "messages follow it (Qwen3-style templates, for example, add a <think></think> block only to the "
-                "final assistant turn), so it cannot be masked inside one sequence. Keep one assistant turn per "
-                "conversation, or give the checkpoint a chat template that renders every assistant turn the same "
-                "way (for Qwen3: emit the <think> block only when the turn has reasoning_content)"
-            )
-        segments.append(Segment(full[consumed : len(start_text)], trainable=False))
-        segments.append(Segment(full[len(start_text) : len(end_text)], trainable=True))
-        consumed = len(end_text)
-    if not segments:
-        roles = [message["role"] for message in messages]
-        raise ValueError(f"the conversation has no assistant turn to train on (roles: {roles})")
-    segments.append(Segment(full[consumed:], trainable=False))
-    return [segment for segment in segments if segment.text]
-
-
-def tokenize_conversation(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    tools: Any = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-) -> tuple[list[int], list[int], str]:
-    """Token ids of the rendered conversation and a mask that is 1 exactly on assistant tokens.
-
-    Each segment is tokenized on its own, so no token straddles a context/assistant boundary: the
-    context is tokenized as an engine tokenizes a prompt, each assistant turn as the tokens it would generate.
-
-    Args:
-        tokenizer: A Hugging Face tokenizer with a chat template.
-        messages: The conversation (see `conversation_segments`).
-        tools: Tool definitions for the chat template, or None.
-        chat_template_kwargs: Extra `apply_chat_template` arguments.
-
-    Returns:
-        (token ids, per-token mask, text from the first assistant token to the end).
-    """
-    segments = conversation_segments(tokenizer, messages, tools, chat_template_kwargs)
-    encoded = tokenizer([segment.text for segment in segments], add_special_tokens=False)["input_ids"]
-    tokens: list[int] = []
-    mask: list[int] = []
-    for segment, ids in zip(segments, encoded, strict=True):
-        tokens.extend(ids)
-        mask.extend([int(segment.trainable)] * len(ids))
-    first = next(i for i, segment in enumerate(segments) if segment.trainable)
-    return tokens, mask, "".join(segment.text for segment in segments[first:])
 
 
 def _check_conversation(prompt: Any, args: Any, sample: Sample) -> list[dict[str, Any]]:

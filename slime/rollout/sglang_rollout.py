@@ -69,6 +69,25 @@ def get_state(args) -> RolloutState:
     return _STATE
 
 
+class GenerateState:
+    """Upstream's name for the rollout state, for custom generate and rollout functions.
+
+    `GenerateState(args)` returns the `RolloutState` the default rollout uses (`get_state(args)`), with
+    upstream's attribute names filled in: `tokenizer`, `semaphore` (at most `--sglang-server-concurrency`
+    requests per engine; the default rollout already holds it around a custom generate function),
+    `sampling_params` (from the `--rollout-*` flags) and `args`.
+    """
+
+    def __new__(cls, args) -> RolloutState:
+        state = get_state(args)
+        if state.semaphore is None:
+            state.semaphore = asyncio.Semaphore(state.max_concurrency)  # binds to the loop that first waits on it
+        if getattr(state, "sampling_params", None) is None:
+            state.sampling_params = sampling_params_from_args(args)
+        state.args = args
+        return state
+
+
 def engine_context_length(args) -> int:
     """Most prompt + response tokens an engine holds.
 
@@ -198,6 +217,14 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
         else:
             result = await generate(args, sample, sampling_params, evaluation)
     samples = result if isinstance(result, list) else [result]
+    # --rollout-sample-hook-path: [async] hook(args, sample, *, rollout_id, evaluation) -> Sample | None (kept).
+    for path in getattr(args, "rollout_sample_hook_path", None) or []:
+        hook = load_function(path)
+        for i, s in enumerate(samples):
+            if s.status != Status.ABORTED:
+                replaced = await maybe_await(hook(args, s, rollout_id=s.rollout_id, evaluation=evaluation))
+                samples[i] = s if replaced is None else replaced
+    result = samples if isinstance(result, list) else samples[0]
     if not args.group_rm:
         for s in samples:
             if s.status != Status.ABORTED and s.reward is None:
@@ -273,6 +300,7 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
     kept: list[list[Sample]] = []
     pending: set[asyncio.Task] = set()
     unused: list[list[Sample]] = []  # groups generated beyond the target, or aborted
+    dropped: list[list[Sample]] = []  # groups the dynamic filter dropped
     num_dropped = num_submitted = num_aborted = 0
     max_aborted = _ABORTED_GROUPS_PER_FETCH * fetch_size
     started = time.time()
@@ -307,6 +335,7 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
                     verdict = state.dynamic_filter(args, group)
                     if not (verdict if isinstance(verdict, bool) else verdict.keep):
                         num_dropped += 1
+                        dropped.append(group)
                         continue
                 kept.append(group)
                 progress.update(1)
@@ -319,7 +348,16 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
                     unused.append(result)
         num_returned = _return_to_data_source(args, unused, data_source)
 
-    kept.sort(key=lambda g: g[0].group_index if g[0].group_index is not None else 0)
+    def by_group_index(group: list[Sample]) -> int:
+        return group[0].group_index if group[0].group_index is not None else 0
+
+    kept.sort(key=by_group_index)
+    sample_filter = getattr(args, "rollout_sample_filter_path", None)
+    if sample_filter:  # f(args, groups) sets remove_sample on the samples not to train on
+        load_function(sample_filter)(args, kept)
+    process_all = getattr(args, "rollout_all_samples_process_path", None)
+    if process_all:  # f(args, groups, data_source), the groups the dynamic filter dropped included
+        load_function(process_all)(args, sorted(kept + dropped, key=by_group_index), data_source)
     metrics = {
         "rollout/submitted_groups": float(num_submitted),
         "rollout/dropped_groups": float(num_dropped),

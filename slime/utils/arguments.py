@@ -20,6 +20,10 @@
    never forwarded.
 3. slime's own flags, grouped as in `--help`.
 
+Every registered flag has an effect: it is read after parsing, consumed by the parser itself
+(`PARSE_TIME_FLAGS`), or refused at parse time with the reason and the alternative (`REFUSED_FLAGS`;
+tests/test_every_flag.py keeps it so).
+
 Errors: a malformed command line (unknown flag, bad choice, bad JSON, odd `--eval-prompt-data`
 count) exits through argparse with status 2. A well-formed but inconsistent one (checked by
 `validate_args`) raises `ArgumentValidationError`, whose message names the flags and the fix.
@@ -36,8 +40,10 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import difflib
 import functools
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -46,15 +52,23 @@ import sys
 from typing import Any
 
 import torch
+import yaml
+
+from slime import algorithms
+from slime.algorithms.aggregation import default_loss_agg_mode
+from slime.algorithms.policy_losses import loss_kind
+from slime.utils.mask_utils import LOSS_MASK_TYPES
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROLLOUT_FUNCTION_PATH = "slime.rollout.sglang_rollout.generate_rollout"
 DEFAULT_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
 
-ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
-KL_LOSS_TYPES = ["k1", "k2", "k3", "low_var_kl"]
-LOSS_TYPES = ["policy_loss", "sft_loss", "custom_loss"]
+# The built-in algorithm names; the flags take their choices from the registries when the parser is built,
+# so names registered by --custom-algorithm-module modules are valid too.
+ADVANTAGE_ESTIMATORS = algorithms.ADVANTAGE_ESTIMATORS.names()
+KL_LOSS_TYPES = algorithms.KL_ESTIMATORS.names()
+LOSS_TYPES = algorithms.loss_type_choices()
 
 # slime changes these Megatron defaults; the same values are the defaults of the fallback subset.
 MEGATRON_DEFAULT_OVERRIDES: dict[str, Any] = {
@@ -400,7 +414,12 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Kill the train actors after each step and recreate them from the checkpoint.",
     )
-    group.add_argument("--keep-old-actor", action="store_true", help="Keep a copy of the pre-step actor weights.")
+    group.add_argument(
+        "--keep-old-actor",
+        action="store_true",
+        help="Take the old log-probs from the weights the engines generated the rollout with (kept on CPU for the "
+        "last two pushes), not the current ones: train_async.py trains one push behind. FSDP only.",
+    )
     group.add_argument(
         "--recompute-loss-function", action="store_true", help="Recompute the loss in backward to save memory."
     )
@@ -408,9 +427,17 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-probs-chunk-size", type=int, default=-1, help="Tokens per log-prob chunk; -1 means no chunking."
     )
     group.add_argument(
-        "--only-train-params-name-list", nargs="+", default=None, help="Train only parameters matching these names."
+        "--only-train-params-name-list",
+        nargs="+",
+        default=None,
+        help="Train only the parameters whose name matches one of these regexes (re.search). FSDP only.",
     )
-    group.add_argument("--freeze-params-name-list", nargs="+", default=None, help="Freeze parameters matching these.")
+    group.add_argument(
+        "--freeze-params-name-list",
+        nargs="+",
+        default=None,
+        help="Freeze the parameters whose name matches one of these regexes (re.search). FSDP only.",
+    )
     group.add_argument("--allgather-cp", action="store_true", help="All-gather context-parallel chunks (DSA models).")
     group.add_argument("--qwen-gdn-backend", default="fla", help="Kernel backend for Qwen gated delta-net layers.")
     group.add_argument(
@@ -659,12 +686,29 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("algorithm and loss")
-    group.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    group.add_argument(
+        "--custom-algorithm-module",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="Dotted module paths imported at startup, before the algorithm flags are checked, and in every "
+        "trainer process. Their @register_advantage_estimator / @register_policy_loss / @register_kl_estimator "
+        "/ @register_loss_aggregation functions (slime.algorithms) become choices of --advantage-estimator, "
+        "--loss-type, --kl-loss-type and --loss-agg-mode.",
+    )
+    group.add_argument(
+        "--advantage-estimator",
+        choices=algorithms.ADVANTAGE_ESTIMATORS.names(),
+        default="grpo",
+        help="rloo: leave-one-out baseline; grpo / gspo / cispo / rloo / reinforce_plus_plus_baseline need "
+        "--n-samples-per-prompt >= 2.",
+    )
     group.add_argument(
         "--loss-type",
-        choices=LOSS_TYPES,
+        choices=algorithms.loss_type_choices(),
         default="policy_loss",
-        help="custom_loss needs --custom-loss-function-path.",
+        help="A registered policy loss (policy_loss = PPO clip, or the estimator's own: gspo, cispo), "
+        "sft_loss, or custom_loss (needs --custom-loss-function-path).",
     )
     group.add_argument(
         "--custom-loss-function-path",
@@ -679,7 +723,7 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--custom-pg-loss-reducer-function-path",
         default=None,
-        help="f(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer.",
+        help="Upstream's pg-loss reducer hook; refused: register a loss aggregation and pick it with --loss-agg-mode.",
     )
     group.add_argument("--eps-clip", type=float, default=0.2, help="Lower PPO clip range.")
     group.add_argument("--eps-clip-high", type=float, default=None, help="Upper PPO clip range (default: --eps-clip).")
@@ -688,7 +732,19 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward.")
     group.add_argument("--use-kl-loss", action="store_true", help="Add a KL-to-reference term to the loss.")
     group.add_argument("--kl-loss-coef", type=float, default=0.0, help="Weight of the KL loss.")
-    group.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default="k1", help="KL estimator of the KL loss.")
+    group.add_argument(
+        "--kl-loss-type",
+        choices=algorithms.KL_ESTIMATORS.names(),
+        default="k1",
+        help="KL estimator of the KL loss and of the --kl-coef reward penalty.",
+    )
+    group.add_argument(
+        "--loss-agg-mode",
+        choices=algorithms.LOSS_AGGREGATIONS.names(),
+        default=None,
+        help="How per-token losses become the step's loss (default: token-mean with --calculate-per-token-loss, "
+        "else seq-mean-token-mean). seq-mean-token-sum-norm (Dr. GRPO) divides by --rollout-max-response-len.",
+    )
     group.add_argument("--use-unbiased-kl", action="store_true", help="Importance-weight the KL loss.")
     group.add_argument("--entropy-coef", type=float, default=0.0, help="Entropy bonus weight.")
     group.add_argument("--gamma", type=float, default=1.0, help="Discount (ppo, reinforce_plus_plus).")
@@ -719,7 +775,10 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         help="f(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths).",
     )
     group.add_argument(
-        "--get-mismatch-metrics", action="store_true", help="Log train/rollout log-prob mismatch metrics."
+        "--get-mismatch-metrics",
+        action="store_true",
+        help="Log the train/rollout log-prob gap and train/train_rollout_kl, also under --use-rollout-logprobs "
+        "(FSDP only).",
     )
     group.add_argument("--use-opsm", action="store_true", help="Off-policy sequence masking.")
     group.add_argument("--opsm-delta", type=float, default=1e-4, help="OPSM threshold.")
@@ -731,13 +790,20 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ref-load", default=None, help="Reference model checkpoint (default: the actor's start).")
     group.add_argument("--ref-ckpt-step", type=int, default=None, help="Step of --ref-load to use.")
     group.add_argument(
-        "--ref-update-interval", type=int, default=None, help="Refresh the reference every this many rollouts."
+        "--ref-update-interval",
+        type=int,
+        default=None,
+        help="Copy the actor's weights into the reference model every this many rollouts. FSDP only.",
     )
     group.add_argument(
         "--num-critic-only-steps", type=int, default=0, help="ppo: train only the critic for the first steps."
     )
     group.add_argument("--megatron-config-path", default=None, help="YAML of Megatron overrides per role.")
-    group.add_argument("--reset-optimizer-states", action="store_true", help="Zero optimizer states after each step.")
+    group.add_argument(
+        "--reset-optimizer-states",
+        action="store_true",
+        help="Zero the optimizer's moments and step count after each rollout. FSDP only.",
+    )
     group.add_argument("--use-stateless-adam", action="store_true", help="Adam without persistent moments.")
 
 
@@ -831,7 +897,9 @@ def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
         "--wandb-always-use-train-step", action="store_true", help="Log every metric against the train step."
     )
     group.add_argument("--log-multi-turn", action="store_true", help="Log multi-turn statistics.")
-    group.add_argument("--log-passrate", action="store_true", help="Log pass@k over each group.")
+    group.add_argument(
+        "--log-passrate", action="store_true", help="Log pass@k over each prompt group (a reward >= 1 passes)."
+    )
     group.add_argument("--log-reward-category", default=None, help="Metadata key to break rewards down by.")
     group.add_argument("--log-correct-samples", action="store_true", help="Log statistics of correct samples.")
     group.add_argument("--use-tensorboard", action="store_true")
@@ -860,7 +928,9 @@ def _add_debug_arguments(parser: argparse.ArgumentParser) -> None:
         help="Fraction of the loaded rollout data to keep.",
     )
     group.add_argument(
-        "--save-debug-train-data", default=None, help="Save each rank's train data to this path template."
+        "--save-debug-train-data",
+        default=None,
+        help="Save each data-parallel rank's train data to this {rollout_id} {rank} path template.",
     )
     group.add_argument("--dump-details", default=None, help="Directory for detailed per-step dumps.")
     group.add_argument(
@@ -884,18 +954,46 @@ def _add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_ci_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("CI")
-    group.add_argument("--ci-test", action="store_true", help="Run the CI checks during training.")
-    group.add_argument("--ci-disable-kl-checker", action="store_true", help="Skip the first-step KL == 0 check.")
+    group.add_argument(
+        "--ci-test",
+        action="store_true",
+        help="Fail the run when a checked metric crosses its threshold: ppo_kl and kl_loss exactly 0 on the first "
+        "rollout (when it has one optimizer step), the train/rollout log-prob gap, and the --ci-* checks below.",
+    )
+    group.add_argument("--ci-disable-kl-checker", action="store_true", help="Skip the first-rollout KL == 0 check.")
     group.add_argument(
         "--ci-train-rollout-logprob-abs-diff-threshold",
         type=float,
         default=0.1,
-        help="Largest allowed mean |train - rollout| log-prob difference.",
+        help="Largest allowed train/train_rollout_logprob_abs_diff (mean |train - rollout| log-prob) per rollout.",
     )
-    group.add_argument("--ci-save-grad-norm", default=None, help="Save grad norms to this path template.")
-    group.add_argument("--ci-load-grad-norm", default=None, help="Compare grad norms with this path template.")
-    group.add_argument("--ci-metric-checker-key", default=None, help="Metric checked at the end, e.g. eval/gsm8k.")
-    group.add_argument("--ci-metric-checker-threshold", type=float, default=None, help="Its minimum value.")
+    group.add_argument(
+        "--ci-save-grad-norm", default=None, help="Write each rollout's train/grad_norm to this {rollout_id} template."
+    )
+    group.add_argument(
+        "--ci-load-grad-norm",
+        default=None,
+        help="Compare each rollout's train/grad_norm with the one saved at this {rollout_id} template (1%% tolerance).",
+    )
+    group.add_argument(
+        "--ci-metric-checker-key", default=None, help="Metric that must reach the threshold, e.g. eval/gsm8k."
+    )
+    group.add_argument(
+        "--ci-metric-checker-threshold",
+        type=float,
+        default=None,
+        help="The run fails at its end unless some logged value of --ci-metric-checker-key is at least this.",
+    )
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("config file")
+    group.add_argument(
+        "--custom-config-path",
+        default=None,
+        help="YAML mapping of flag values applied over the command line at parse time. Keys are dests "
+        "(use_tis) or flag names (--use-tis); keys that are no flag are set on args for custom functions.",
+    )
 
 
 def _add_forwarded_arguments(parser: argparse.ArgumentParser) -> None:
@@ -938,6 +1036,7 @@ def add_slime_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _add_debug_arguments(parser)
     _add_fault_tolerance_arguments(parser)
     _add_ci_arguments(parser)
+    _add_config_arguments(parser)
     _add_forwarded_arguments(parser)
     return parser
 
@@ -1028,6 +1127,60 @@ def add_megatron_subset_arguments(parser: argparse.ArgumentParser) -> argparse.A
     return parser
 
 
+# Megatron's attention backends and the HF attention implementation that does the same job under FSDP.
+FSDP_ATTENTION_BACKENDS = {"auto": None, "flash": "flash_attention_2", "fused": "sdpa", "unfused": "eager"}
+
+
+def add_fsdp_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron flags from recipes and docs, with their meaning under `--train-backend fsdp`.
+
+    Registered only for the FSDP backend; under Megatron they are Megatron's own.
+
+    Args:
+        parser: the parser to extend.
+
+    Returns:
+        the same parser.
+    """
+    group = parser.add_argument_group("Megatron flags with an FSDP meaning")
+    group.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Recompute activations in backward: under FSDP the same as --gradient-checkpointing (whole layers).",
+    )
+    group.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="Either value turns on --gradient-checkpointing (FSDP recomputes whole decoder layers).",
+    )
+    group.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="uniform (every layer, what FSDP does); block is refused.",
+    )
+    group.add_argument(
+        "--recompute-num-layers", type=int, default=None, help="Layers per recompute unit; FSDP's unit is 1 layer."
+    )
+    group.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="Skip an optimizer step whose gradient norm is not finite, instead of stopping the run.",
+    )
+    group.add_argument(
+        "--attention-backend",
+        choices=list(FSDP_ATTENTION_BACKENDS),
+        default="auto",
+        help="flash: HF flash_attention_2 (needs flash-attn); fused: sdpa; unfused: eager; auto: the model's default.",
+    )
+    group.add_argument(
+        "--ckpt-step", type=int, default=None, help="Load this rollout's checkpoint from --load instead of the latest."
+    )
+    return parser
+
+
 def _import_megatron_arguments():
     try:
         return importlib.import_module("megatron.training.arguments")
@@ -1089,25 +1242,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         the namespace: every flag as an attribute, plus `sglang_server_args`, `router_args`,
         `megatron_passthrough_args` (dicts) and the fields derived by `validate_args`.
 
+    `--custom-config-path` values are applied over the command line first; then a flag of `REFUSED_FLAGS`
+    given a value other than its default is refused.
+
     Raises:
         SystemExit: malformed command line (argparse prints the message).
-        ArgumentValidationError: inconsistent flags.
+        ArgumentValidationError: inconsistent flags, or a refused flag (the message says why and what instead).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     cuda = torch.cuda.is_available()
 
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--train-backend", choices=["megatron", "fsdp"], default="megatron" if cuda else "fsdp")
-    train_backend = pre.parse_known_args(argv)[0].train_backend
+    pre.add_argument("--custom-algorithm-module", nargs="+", default=None)
+    pre_args = pre.parse_known_args(argv)[0]
+    train_backend = pre_args.train_backend
+    _load_algorithm_modules(pre_args)  # before the parser takes its choices from the registries
     megatron_arguments = _import_megatron_arguments() if train_backend == "megatron" else None
 
-    parser = argparse.ArgumentParser(
-        description="slime: RL post-training with Megatron/FSDP training and SGLang rollout.",
-        allow_abbrev=False,
-    )
-    add_slime_arguments(parser)
-    if megatron_arguments is None:
-        add_megatron_subset_arguments(parser)
+    parser = build_parser(train_backend, megatron_subset=megatron_arguments is None)
     _reject_managed_flags(parser, argv)
     known = set(parser._option_string_actions)
 
@@ -1143,6 +1296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
             passthrough[name] = value
 
+    _apply_custom_config(args, parser, generic_sglang, generic_router)
     args.sglang_server_args = _attach_forwarded(
         args, "sglang_", [a.dest for a in _forwarded_actions(_sglang_source_parser(), _SGLANG_EXCLUDED)], generic_sglang
     )
@@ -1150,8 +1304,347 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args, "router_", [a.dest for a in _forwarded_actions(_router_source_parser(), _ROUTER_EXCLUDED)], generic_router
     )
     args.megatron_passthrough_args = passthrough
+    refuse_unsupported_flags(args)
     validate_args(args)
     return args
+
+
+def build_parser(train_backend: str, megatron_subset: bool = True) -> argparse.ArgumentParser:
+    """slime's parser as `parse_args` builds it for `train_backend` (Megatron's own parser not included).
+
+    Args:
+        train_backend: "fsdp" or "megatron".
+        megatron_subset: also register the Megatron flags slime reads (done when Megatron's parser is not used).
+
+    Returns:
+        the parser.
+    """
+    parser = argparse.ArgumentParser(
+        description="slime: RL post-training with Megatron/FSDP training and SGLang rollout.",
+        allow_abbrev=False,
+    )
+    add_slime_arguments(parser)
+    if megatron_subset:
+        add_megatron_subset_arguments(parser)
+    if train_backend == "fsdp":
+        add_fsdp_megatron_arguments(parser)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags that parse but are refused, flags the parser itself consumes, --custom-config-path
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a registered flag is refused at parse time, and what to use instead.
+
+    A refused flag given at its default value is harmless; any other value (or one of `values`) is an error.
+
+    Attributes:
+        reason: what is missing, e.g. "on-policy distillation is not implemented yet".
+        instead: what to do instead.
+        backends: the `--train-backend`s under which it is refused (it works under the others).
+        values: refuse only these values (None: every value other than the default).
+        allowed: values accepted besides the default (they already mean what slime does).
+    """
+
+    reason: str
+    instead: str
+    backends: tuple[str, ...] = ("fsdp", "megatron")
+    values: tuple[Any, ...] | None = None
+    allowed: tuple[Any, ...] = ()
+
+
+_NO_DISK_SYNC = Refusal(
+    "only disk weight sync reads it, and disk (and delta) weight sync is not implemented",
+    "drop it; weights reach the engines as tensors (--colocate) or by a collective broadcast",
+)
+_NO_OPD = Refusal(
+    "only --use-opd reads it, and on-policy distillation is not implemented yet",
+    "drop it (for a KL penalty towards a fixed model use --use-kl-loss with --ref-load <teacher>)",
+)
+_NO_BUFFER_PLUGIN = Refusal(
+    "the HTTP trajectory-buffer plugin is not implemented",
+    "produce trajectories with --rollout-function-path or --custom-generate-function-path",
+)
+_FSDP_ONLY = "implemented for --train-backend fsdp only so far"
+
+# dest -> why it is refused. Keys are argparse dests (`--disable-x` may store into `x`).
+REFUSED_FLAGS: dict[str, Refusal] = {
+    # cluster and weight sync
+    "prefill_num_servers": Refusal(
+        "prefill/decode disaggregation is not implemented", "drop it; every engine serves prefill and decode"
+    ),
+    "rollout_external_engine_addrs": Refusal(
+        "engines started outside slime are not supported",
+        "drop it; slime launches its engines (--rollout-num-gpus, --rollout-num-gpus-per-engine)",
+    ),
+    "update_weight_transport": Refusal(
+        "disk weight sync is not implemented",
+        "drop it; weights reach the engines as tensors (--colocate) or by a collective broadcast (nccl; gloo on CPU)",
+        values=("disk",),
+    ),
+    "update_weight_mode": Refusal(
+        "delta weight sync is not implemented", "drop it; every update pushes the full weights", values=("delta",)
+    ),
+    "update_weight_disk_dir": _NO_DISK_SYNC,
+    "update_weight_disk_keep_files": _NO_DISK_SYNC,
+    "update_weight_local_checkpoint_dir": _NO_DISK_SYNC,
+    "update_weight_delta_encoding": _NO_DISK_SYNC,
+    "update_weight_delta_checksum": _NO_DISK_SYNC,
+    "custom_update_weight_post_write_path": _NO_DISK_SYNC,
+    "release_train": Refusal(
+        "recreating the trainers after each step needs disk weight sync, which is not implemented",
+        "drop it; --offload-train frees the trainer's GPU memory while the engines generate",
+    ),
+    "rollout_data_transport": Refusal(
+        "NIXL transfer is not implemented", "drop it; rollout data goes through Ray's object store", values=("nixl",)
+    ),
+    "sglang_config": Refusal(
+        "YAML server groups (prefill/decode/...) are not implemented", "pass engine options as --sglang-<flag>"
+    ),
+    # training
+    "keep_old_actor": Refusal(_FSDP_ONLY, "use --train-backend fsdp, or drop it", backends=("megatron",)),
+    "ref_update_interval": Refusal(_FSDP_ONLY, "use --train-backend fsdp, or drop it", backends=("megatron",)),
+    "reset_optimizer_states": Refusal(_FSDP_ONLY, "use --train-backend fsdp, or drop it", backends=("megatron",)),
+    "get_mismatch_metrics": Refusal(
+        _FSDP_ONLY,
+        "use --train-backend fsdp; without --use-rollout-logprobs the Megatron backend logs "
+        "train/train_rollout_logprob_abs_diff anyway",
+        backends=("megatron",),
+    ),
+    "only_train_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
+    "freeze_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
+    "recompute_loss_function": Refusal(
+        "recomputing the loss in backward is not implemented",
+        "to save memory use --gradient-checkpointing (FSDP) or Megatron's --recompute-* flags, or lower "
+        "--max-tokens-per-gpu",
+    ),
+    "log_probs_chunk_size": Refusal(
+        "chunked log-prob computation is not implemented (log-probs are computed per micro-batch)",
+        "lower --max-tokens-per-gpu or --micro-batch-size to bound memory",
+    ),
+    "log_probs_max_tokens_per_gpu": Refusal(
+        "log-prob passes use the training micro-batches, so the first step's ppo_kl is exactly 0",
+        "set --max-tokens-per-gpu",
+    ),
+    "allgather_cp": Refusal("context-parallel all-gather for DSA models is not implemented", "drop it"),
+    "qwen_gdn_backend": Refusal("Qwen3-Next gated delta-net layers are not supported", "drop it"),
+    "custom_megatron_init_path": Refusal(
+        "the Megatron init hook is not called (and the FSDP backend initializes no Megatron)",
+        "run your setup at import time of a module passed to another hook, or in --custom-model-provider-path",
+    ),
+    "custom_megatron_before_log_prob_hook_path": Refusal(
+        "the before-log-prob hook is not called yet",
+        "use --custom-megatron-before-train-step-hook-path or --rollout-data-postprocess-path",
+    ),
+    "megatron_config_path": Refusal(
+        "per-role Megatron YAML overrides are not implemented",
+        "put the flags on the command line, or in --custom-config-path (a YAML of flag values)",
+    ),
+    "use_stateless_adam": Refusal("stateless Adam is not implemented", "drop it; --optimizer adam is used"),
+    "async_save": Refusal("checkpoints are written synchronously", "drop it"),
+    "record_memory_history": Refusal("CUDA memory-history recording is not implemented", "drop it"),
+    # algorithm
+    "custom_pg_loss_reducer_function_path": Refusal(
+        "upstream's pg-loss reducer hook is not implemented",
+        "register a loss aggregation (@register_loss_aggregation in a module passed to --custom-algorithm-module) "
+        "and select it with --loss-agg-mode; Dr. GRPO's is built in: --loss-agg-mode seq-mean-token-sum-norm",
+    ),
+    "use_opsm": Refusal(
+        "off-policy sequence masking (OPSM) is not implemented", "bound off-policy updates with --use-tis"
+    ),
+    "opsm_delta": Refusal("only --use-opsm reads it, and OPSM is not implemented", "drop it"),
+    "use_routing_replay": Refusal("MoE routing replay is not implemented", "drop it"),
+    "use_rollout_routing_replay": Refusal("MoE rollout routing replay (R3) is not implemented", "drop it"),
+    "use_rollout_entropy": Refusal(
+        "the engines' entropy is not recorded", "drop it (the trainer's entropy is in the train metrics)"
+    ),
+    "use_opd": Refusal(
+        "on-policy distillation is not implemented yet",
+        "drop it; for a KL penalty towards a fixed model use --use-kl-loss with --ref-load <teacher>",
+    ),
+    "opd_type": _NO_OPD,
+    "opd_kl_coef": _NO_OPD,
+    "opd_teacher_load": _NO_OPD,
+    "opd_teacher_ckpt_step": _NO_OPD,
+    # data, eval, buffer
+    "multimodal_keys": Refusal("multimodal prompts are not supported yet", "drop it; prompts are text or messages"),
+    "balance_by_flops": Refusal(
+        "FLOP-balanced partitioning is not implemented", "use --balance-data (token-balanced data-parallel ranks)"
+    ),
+    "eval_config": Refusal(
+        "eval YAML configs are not implemented",
+        "use --eval-prompt-data NAME PATH [NAME PATH ...] with the --eval-* flags (--n-samples-per-eval-prompt, "
+        "--eval-max-response-len, --eval-temperature, ...)",
+    ),
+    "rollout_buffer_url": _NO_BUFFER_PLUGIN,
+    "fetch_trajectory_retry_times": _NO_BUFFER_PLUGIN,
+    "min_batch_collection_ratio": _NO_BUFFER_PLUGIN,
+    "rollout_task_type": _NO_BUFFER_PLUGIN,
+    # Read by user code through slime.utils.mask_utils.MultiTurnLossMaskGenerator; every upstream type works.
+    "loss_mask_type": Refusal(
+        "loss masks come from the tokenizer's chat template, and this is none of upstream's type names",
+        f"use one of {', '.join(LOSS_MASK_TYPES)} (all behave the same), or set Sample.loss_mask yourself",
+        allowed=LOSS_MASK_TYPES,
+    ),
+    "data_pad_size_multiplier": Refusal("each backend pads packed sequences as it needs", "drop it"),
+    # logging and debug
+    "log_multi_turn": Refusal(
+        "multi-turn statistics are not implemented", "log them from --custom-rollout-log-function-path"
+    ),
+    "dump_details": Refusal(
+        "detailed dumps are not implemented", "use --save-debug-rollout-data and --save-debug-train-data"
+    ),
+    "http_proxy": Refusal("a proxy for slime's HTTP calls is not implemented", "drop it"),
+    "use_distributed_post": Refusal(
+        "spreading HTTP posts over Ray workers is not implemented",
+        "drop it; the rollout process posts, at most --sglang-server-concurrency requests per engine",
+    ),
+    # Megatron flags with an FSDP meaning (registered under --train-backend fsdp only)
+    "recompute_method": Refusal(
+        "FSDP recomputes every decoder layer (uniform); block recompute is not implemented",
+        "use --recompute-method uniform",
+        values=("block",),
+    ),
+    "recompute_num_layers": Refusal(
+        "FSDP recomputes one decoder layer at a time", "use --recompute-num-layers 1, or drop it", allowed=(1,)
+    ),
+}
+
+# dest -> what the parser itself does with it (nothing after parsing reads these).
+PARSE_TIME_FLAGS: dict[str, str] = {
+    "offload": "sets --offload-train and --offload-rollout",
+    "rollout_global_dataset": "lifts the --prompt-data requirement: the rollout function brings its own prompts",
+    "num_gpus_per_node": "checks that one engine (--rollout-num-gpus-per-engine) fits on a node",
+    "custom_config_path": "its YAML is applied over the command line by parse_args",
+}
+
+
+@functools.cache
+def _registered_defaults() -> dict[str, tuple[str, Any]]:
+    """dest -> (first option string, default) of every flag slime registers, for either backend."""
+    found: dict[str, tuple[str, Any]] = {}
+    for backend in ("megatron", "fsdp"):
+        for action in build_parser(backend)._actions:
+            if action.option_strings:
+                found.setdefault(action.dest, (action.option_strings[0], action.default))
+    return found
+
+
+def refuse_unsupported_flags(args: argparse.Namespace) -> None:
+    """Raise for a flag of `REFUSED_FLAGS` given a value it is refused at.
+
+    Raises:
+        ArgumentValidationError: naming the flag, the reason and what to use instead.
+    """
+    defaults = _registered_defaults()
+    for dest, refusal in REFUSED_FLAGS.items():
+        if args.train_backend not in refusal.backends or dest not in defaults or not hasattr(args, dest):
+            continue
+        flag, default = defaults[dest]
+        value = getattr(args, dest)
+        refused = value in refusal.values if refusal.values is not None else value != default
+        if refused and value not in refusal.allowed:
+            shown = "" if isinstance(value, bool) else f" {value}"
+            backend = f" with --train-backend {args.train_backend}" if len(refusal.backends) == 1 else ""
+            _fail(f"{flag}{shown} is not supported{backend}: {refusal.reason}. Instead: {refusal.instead}.")
+
+
+def _config_value(action: argparse.Action, option: str | None, key: str, value: Any, path: str) -> Any:
+    """A YAML value for a registered flag, converted and checked as argparse would.
+
+    `option` is the flag name the key was written as (`--use-tis`), None for a dest key (`use_tis`): a
+    boolean under a flag name says whether the flag is given, under a dest it is the value itself.
+    """
+
+    def bad(why: str) -> None:
+        _fail(f"--custom-config-path {path}: {key}: {why}")
+
+    if isinstance(action, _NamePathPairs):
+        pairs = list(value.items()) if isinstance(value, dict) else value
+        if not isinstance(pairs, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            bad(f"expected a mapping {{name: path}} or a list of [name, path], got {value!r}")
+        return [tuple(p) for p in pairs]
+    if action.nargs == 0:  # store_true / store_false / store_const / BooleanOptionalAction
+        if not isinstance(value, bool):
+            bad(f"expected true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return value != bool(option and option.startswith("--no-"))
+        if option is None:
+            return value
+        return action.const if value else action.default
+    many = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 1)
+    items = (value if isinstance(value, list) else [value]) if many else [value]
+    converted = []
+    for item in items:
+        if isinstance(item, str) and action.type is not None:
+            try:
+                item = action.type(item)
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                bad(f"{item!r} is not a valid value ({e})")
+        if action.choices is not None and item not in action.choices:
+            bad(f"{item!r} is not one of {', '.join(map(str, action.choices))}")
+        converted.append(item)
+    return converted if many else converted[0]
+
+
+def _apply_custom_config(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    generic_sglang: dict[str, Any],
+    generic_router: dict[str, Any],
+) -> None:
+    """--custom-config-path: set the YAML's values over the command line (as upstream applies them)."""
+    path = args.custom_config_path
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except OSError as e:
+        _fail(f"--custom-config-path {path}: cannot read it ({e.strerror or e}).")
+    except yaml.YAMLError as e:
+        _fail(f"--custom-config-path {path} is not valid YAML: {e}")
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        _fail(f"--custom-config-path {path} must hold a mapping of flag: value, not a {type(config).__name__}.")
+    by_dest = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    extra = []
+    for key, value in config.items():
+        name = str(key)
+        stripped = name.lstrip("-")
+        option = None
+        action = None if name.startswith("--") or "-" in stripped else by_dest.get(stripped)
+        if action is None:
+            option = "--" + stripped.replace("_", "-")
+            action = parser._option_string_actions.get(option)
+        dest = action.dest if action is not None else stripped.replace("-", "_")
+        if dest in ("custom_config_path", "train_backend"):
+            _fail(f"--custom-config-path {path}: {name} must be given on the command line.")
+        if action is not None:
+            setattr(args, dest, _config_value(action, option, name, value, path))
+            continue
+        prefix = next((p for p in ("sglang_", "router_") if dest.startswith(p)), None)
+        source = {"sglang_": _sglang_source_parser, "router_": _router_source_parser}.get(prefix)
+        if source is not None and source() is None:  # forwarded generically: as if on the command line
+            generic = generic_sglang if prefix == "sglang_" else generic_router
+            generic["--" + prefix.replace("_", "-") + dest[len(prefix) :].replace("_", "-")] = value
+            continue
+        if hasattr(args, dest):  # a flag of Megatron's own parser, or a kept Megatron flag
+            setattr(args, dest, value)
+            continue
+        close = difflib.get_close_matches(dest, list(by_dest), n=1, cutoff=0.85)
+        if close or prefix is not None:
+            hint = f"; did you mean {close[0]}?" if close else ""
+            _fail(f"--custom-config-path {path}: {name} is not a flag{hint}")
+        setattr(args, dest, value)
+        extra.append(dest)
+    if extra:
+        logger.info("--custom-config-path %s: set %s for custom functions (no slime flags)", path, ", ".join(extra))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1224,7 +1717,7 @@ def _validate_placement(args: argparse.Namespace) -> None:
             )
         args.rollout_num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
 
-    args.use_critic = args.advantage_estimator == "ppo"
+    args.use_critic = _estimator(args).critic
     if args.offload:
         args.offload_train = True if args.offload_train is None else args.offload_train
         args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
@@ -1248,6 +1741,73 @@ def _validate_placement(args: argparse.Namespace) -> None:
             )
 
 
+def _load_algorithm_modules(args: argparse.Namespace) -> None:
+    try:
+        algorithms.load_user_registrations(getattr(args, "custom_algorithm_module", None))
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _estimator(args: argparse.Namespace) -> algorithms.advantages.AdvantageEstimator:
+    _load_algorithm_modules(args)
+    try:
+        return algorithms.ADVANTAGE_ESTIMATORS.get(args.advantage_estimator)
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _validate_algorithm_registries(args: argparse.Namespace) -> None:
+    """Rules that come from the registered estimator, policy loss, KL estimator and loss aggregation."""
+    estimator = _estimator(args)
+    registered = {
+        "--loss-type": (args.loss_type, algorithms.loss_type_choices()),
+        "--kl-loss-type": (args.kl_loss_type, algorithms.KL_ESTIMATORS.names()),
+        "--loss-agg-mode": (args.loss_agg_mode, algorithms.LOSS_AGGREGATIONS.names()),
+    }
+    for flag, (name, names) in registered.items():
+        if name is not None and name not in names:
+            _fail(
+                f"{flag} {name} is not registered; choose from {', '.join(names)}, or register it in a module "
+                "passed to --custom-algorithm-module."
+            )
+
+    # A group baseline with one sample per prompt subtracts each reward from itself: all advantages are 0.
+    group_baseline_used = (
+        estimator.group_rewards is not None
+        and not args.disable_rewards_normalization
+        and not args.custom_reward_post_process_path
+        and not getattr(args, "custom_advantage_function_path", None)
+        and loss_kind(args.loss_type) == "policy_loss"
+        and not args.debug_rollout_only
+    )
+    if group_baseline_used and args.n_samples_per_prompt < 2:
+        _fail(
+            f"--advantage-estimator {args.advantage_estimator} compares each response with the other responses "
+            f"to the same prompt, but --n-samples-per-prompt is {args.n_samples_per_prompt}: every advantage would "
+            "be 0 and nothing would learn. Pass --n-samples-per-prompt 2 or more (e.g. 8), or "
+            "--disable-rewards-normalization to train on raw rewards."
+        )
+    if estimator.whiten and not args.normalize_advantages:
+        logger.warning(
+            "--advantage-estimator %s normalizes advantages; turning on --normalize-advantages.",
+            args.advantage_estimator,
+        )
+        args.normalize_advantages = True
+
+    per_token = getattr(args, "calculate_per_token_loss", False)
+    if per_token and args.loss_agg_mode not in (None, "token-mean"):
+        _fail(
+            f"--calculate-per-token-loss means --loss-agg-mode token-mean, but --loss-agg-mode is "
+            f"{args.loss_agg_mode}; pass only one of them."
+        )
+    args.loss_agg_mode = default_loss_agg_mode(args)
+    if args.loss_agg_mode == "seq-mean-token-sum-norm" and not args.rollout_max_response_len:
+        _fail(
+            "--loss-agg-mode seq-mean-token-sum-norm divides each sample's token sum by a constant response "
+            "length; pass --rollout-max-response-len."
+        )
+
+
 def _validate_algorithm(args: argparse.Namespace) -> None:
     if args.rollout_temperature <= 0:
         _fail(
@@ -1258,25 +1818,12 @@ def _validate_algorithm(args: argparse.Namespace) -> None:
         args.eps_clip_high = args.eps_clip
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         _fail("--loss-type custom_loss needs --custom-loss-function-path pointing at your loss function.")
-    if args.disable_compute_advantages_and_returns and args.loss_type == "policy_loss":
+    if args.disable_compute_advantages_and_returns and loss_kind(args.loss_type) == "policy_loss":
         _fail(
             "--disable-compute-advantages-and-returns leaves the rollout data without the advantages that "
             "--loss-type policy_loss needs; use it with --loss-type sft_loss (or custom_loss)."
         )
-    if args.n_samples_per_prompt == 1 and not args.disable_grpo_std_normalization:
-        logger.warning(
-            "--n-samples-per-prompt 1: a group has one reward, so its std is 0; "
-            "turning on --disable-grpo-std-normalization."
-        )
-        args.disable_grpo_std_normalization = True
-    if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and (
-        not args.normalize_advantages
-    ):
-        logger.warning(
-            "--advantage-estimator %s normalizes advantages; turning on --normalize-advantages.",
-            args.advantage_estimator,
-        )
-        args.normalize_advantages = True
+    _validate_algorithm_registries(args)
     if args.use_kl_loss and args.kl_loss_coef == 0:
         logger.warning("--use-kl-loss with --kl-loss-coef 0 computes the KL but gives it no weight.")
     if args.use_opd and args.opd_type == "megatron" and not args.opd_teacher_load:
@@ -1310,8 +1857,8 @@ def _validate_data(args: argparse.Namespace) -> None:
         args.reward_key = "score"
     if args.eval_function_path is None:
         args.eval_function_path = args.rollout_function_path
-    if args.eval_interval is not None and not (args.eval_prompt_data or args.eval_config):
-        _fail("--eval-interval needs eval data: --eval-prompt-data NAME PATH [...] or --eval-config.")
+    if args.eval_interval is not None and not args.eval_prompt_data:
+        _fail("--eval-interval needs eval data: --eval-prompt-data NAME PATH [NAME PATH ...].")
 
 
 def _validate_modes(args: argparse.Namespace) -> None:
@@ -1386,6 +1933,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_data(args)
     _validate_output_folders(args)
     _validate_engine_limits(args)
+    _validate_flag_uses(args)
     return args
 
 
@@ -1397,3 +1945,90 @@ def _validate_engine_limits(args: argparse.Namespace) -> None:
         _fail(f"--sglang-api-key was read as {api_key!r}, not text; use a key that is not a number or true/false.")
     if api_key is not None and not api_key.strip():
         _fail("--sglang-api-key needs a non-empty key: engines require it as 'Authorization: Bearer <key>'.")
+
+
+def _validate_flag_uses(args: argparse.Namespace) -> None:
+    """Rules of the flags whose use depends on other flags (debug data, CI checks, recompute, freezing, ...)."""
+    if not args.rollout_global_dataset and args.prompt_data is not None:
+        _fail(
+            "--disable-rollout-global-dataset says the rollout function brings its own prompts, but --prompt-data "
+            "is given too; drop one of them."
+        )
+    # An SGLang engine's GPUs must sit on one node (the CPU engine is one process whatever the count).
+    if args.rollout_backend == "sglang" and args.rollout_num_gpus_per_engine > args.num_gpus_per_node:
+        _fail(
+            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} is more than --num-gpus-per-node "
+            f"{args.num_gpus_per_node}: engines that span nodes are not supported; use at most "
+            f"{args.num_gpus_per_node} GPUs per engine (or fix --num-gpus-per-node)."
+        )
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        _fail("--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on this machine.")
+
+    ci_flags = {
+        "--ci-disable-kl-checker": args.ci_disable_kl_checker,
+        "--ci-save-grad-norm": args.ci_save_grad_norm,
+        "--ci-load-grad-norm": args.ci_load_grad_norm,
+        "--ci-metric-checker-key": args.ci_metric_checker_key,
+        "--ci-metric-checker-threshold": args.ci_metric_checker_threshold,
+    }
+    given = [flag for flag, value in ci_flags.items() if value not in (None, False)]
+    if given and not args.ci_test:
+        _fail(f"{', '.join(given)} only take effect with --ci-test; add --ci-test or drop them.")
+    if (args.ci_metric_checker_key is None) != (args.ci_metric_checker_threshold is None):
+        _fail("--ci-metric-checker-key and --ci-metric-checker-threshold go together; pass both or neither.")
+    for flag, template in (
+        ("--ci-save-grad-norm", args.ci_save_grad_norm),
+        ("--ci-load-grad-norm", args.ci_load_grad_norm),
+    ):
+        if template is not None and "{rollout_id}" not in template:
+            _fail(f"{flag} {template} must contain {{rollout_id}}: one file per rollout.")
+
+    subsample = args.load_debug_rollout_data_subsample
+    if subsample is not None:
+        if not args.load_debug_rollout_data:
+            _fail("--load-debug-rollout-data-subsample needs --load-debug-rollout-data (the saved rollouts).")
+        if not 0 < subsample <= 1:
+            _fail(
+                f"--load-debug-rollout-data-subsample is the fraction of samples to keep, in (0, 1]; got {subsample}."
+            )
+    template = args.save_debug_train_data
+    if template is not None:
+        try:
+            template.format(rollout_id=0, rank=0)
+        except (KeyError, IndexError, ValueError) as e:
+            _fail(f"--save-debug-train-data {template!r} may contain only {{rollout_id}} and {{rank}} ({e!r}).")
+        if "{rollout_id}" not in template or "{rank}" not in template:
+            _fail(
+                f"--save-debug-train-data {template} must contain {{rollout_id}} and {{rank}}: one file per rollout "
+                "and data-parallel rank, e.g. /tmp/train_{rollout_id}_{rank}.pt."
+            )
+
+    if args.ref_update_interval is not None:
+        if args.ref_update_interval < 1:
+            _fail(f"--ref-update-interval must be at least 1 (got {args.ref_update_interval}).")
+        if not (args.use_kl_loss or args.kl_coef != 0):
+            _fail("--ref-update-interval refreshes the reference model, which only --use-kl-loss or --kl-coef use.")
+    for flag, patterns in (
+        ("--only-train-params-name-list", args.only_train_params_name_list),
+        ("--freeze-params-name-list", args.freeze_params_name_list),
+    ):
+        for pattern in patterns or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                _fail(f"{flag}: {pattern!r} is not a valid regular expression ({e}).")
+
+    if args.keep_old_actor and (args.debug_train_only or args.use_rollout_logprobs):
+        _fail(
+            "--keep-old-actor takes the old log-probs from the weights pushed to the engines; it does nothing with "
+            f"{'--debug-train-only (no engines)' if args.debug_train_only else '--use-rollout-logprobs'}: drop one."
+        )
+
+    if args.train_backend == "fsdp":
+        if args.ckpt_step is not None and not args.load:
+            _fail("--ckpt-step picks a checkpoint of --load; pass --load too.")
+        recompute = args.recompute_activations or args.recompute_granularity is not None
+        if (args.recompute_method is not None or args.recompute_num_layers is not None) and not recompute:
+            _fail("--recompute-method / --recompute-num-layers go with --recompute-granularity full.")
+        if args.attention_backend == "flash" and importlib.util.find_spec("flash_attn") is None:
+            _fail("--attention-backend flash needs the flash-attn package; install it or drop the flag (sdpa).")

@@ -82,6 +82,15 @@ def read_records(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]
     return [record for _, record in iter_records(path, flag)]
 
 
+def read_file(path: str) -> Iterator[dict[str, Any]]:
+    """Upstream slime's record reader: yield each record (a dict) of a JSONL or Parquet file, in file order.
+
+    Errors are those of `iter_records` (missing file, unsupported extension, a line that is not a JSON object).
+    """
+    for _, record in iter_records(path, flag="read_file"):
+        yield record
+
+
 def _maybe_parse_json(value: Any, what: str, where: str) -> Any:
     """Columns such as metadata or tools are often stored as JSON strings (Parquet has no free-form dicts)."""
     if not isinstance(value, str):

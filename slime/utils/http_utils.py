@@ -306,3 +306,19 @@ async def async_post_json(
                 raise ConnectionError(f"POST {url} failed after {attempt + 1} attempts: {e!r}") from e
         await asyncio.sleep(1.0 if keep_trying else retry_delay * 2**attempt)
         attempt += 1
+
+
+async def post(
+    url: str, payload: Any, max_retries: int = 60, headers: dict[str, str] | None = None, timeout: float | None = None
+) -> Any:
+    """Upstream slime's async POST helper (custom generate functions call it on the router's /generate).
+
+    `async_post_json` that, like upstream's, keeps retrying about `max_retries` times a second apart: while a
+    connection fails or the server answers 5xx, for up to `max_retries` seconds. A 4xx answer raises at once.
+
+    Returns:
+        The parsed JSON body, or the text body if it is not JSON.
+    """
+    return await async_post_json(
+        url, payload, timeout=timeout, max_retries=0, retry_failures_for=float(max_retries), headers=headers
+    )

@@ -7,6 +7,7 @@ import ctypes
 import gc
 import importlib
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,24 @@ def load_function(path: str) -> Callable[..., Any]:
         return getattr(module, attr)
     except AttributeError as e:
         raise ValueError(f"module '{module_path}' has no attribute '{attr}' (from '{path}')") from e
+
+
+class SingletonMeta(type):
+    """Metaclass whose classes have one instance per process: the first call constructs it, later calls
+    (whatever their arguments) return it. `MyClass.forget_instance()` drops it, so the next call builds anew."""
+
+    _instances: dict[type, Any] = {}
+    _lock = threading.RLock()  # re-entrant: a singleton's __init__ may construct another singleton
+
+    def __call__(cls, *args, **kwargs):
+        with SingletonMeta._lock:
+            if cls not in SingletonMeta._instances:
+                SingletonMeta._instances[cls] = super().__call__(*args, **kwargs)
+            return SingletonMeta._instances[cls]
+
+    def forget_instance(cls) -> None:
+        with SingletonMeta._lock:
+            SingletonMeta._instances.pop(cls, None)
 
 
 async def maybe_await(value: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from argparse import Namespace
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -42,7 +43,16 @@ class Sample:
         status: See `Status`.
         metadata: Free-form per-sample data from the dataset (`--metadata-key`) or user code.
         train_metadata: Free-form data forwarded to the trainer.
+        remove_sample: Keep the sample in its group but train on none of its tokens.
+        teacher_log_probs: Log-probs of the response tokens under a teacher model (on-policy distillation),
+            filled in by user code such as a `--custom-reward-post-process-path` function.
+        session_id: Identifies the multi-turn or agent session the sample came from (user code sets it).
+        non_generation_time: Seconds the sample spent outside the engine (tool calls, environments), for metrics.
+
+    `Sample.Status` is `Status`, under the name upstream code uses.
     """
+
+    Status = Status  # upstream code writes `Sample.Status.COMPLETED`
 
     index: int | None = None
     group_index: int | None = None
@@ -60,6 +70,9 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     train_metadata: dict[str, Any] | None = None
     remove_sample: bool = False
+    teacher_log_probs: list[float] | None = None
+    session_id: str | None = None
+    non_generation_time: float = 0.0
 
     @property
     def prompt_length(self) -> int:
@@ -70,12 +83,29 @@ class Sample:
         """Aborted or failed and never scored: it counts as reward 0 and is not trained on."""
         return self.reward is None and self.status in (Status.ABORTED, Status.FAILED)
 
-    def get_reward_value(self, reward_key: str | None = None) -> float:
-        """The scalar reward; `reward_key` picks one entry when `reward` is a dict. 0 for an `unfinished` sample."""
+    def get_reward_value(self, reward_key: str | Namespace | None = None) -> float | dict[str, Any]:
+        """The sample's scalar reward; 0 for an `unfinished` sample.
+
+        Args:
+            reward_key: The entry to pick when `reward` is a dict (`--reward-key`); ignored for a scalar reward.
+                Upstream code passes the parsed arguments instead: their `reward_key` is used then and, when
+                it is unset, a dict reward comes back whole (for a `--custom-reward-post-process-path`
+                function that reads it).
+        """
+        whole_dict_if_no_key = reward_key is not None and not isinstance(reward_key, str)
+        if whole_dict_if_no_key:
+            reward_key = getattr(reward_key, "reward_key", None)
         if isinstance(self.reward, dict):
             if reward_key is None:
+                if whole_dict_if_no_key:
+                    return self.reward
                 raise ValueError(
                     f"sample {self.index} has a dict reward with keys {sorted(self.reward)}; pass --reward-key to pick one"
+                )
+            if reward_key not in self.reward:
+                raise ValueError(
+                    f"sample {self.index}: --reward-key {reward_key!r} is not in its reward, which has keys "
+                    f"{sorted(self.reward)}; return that key from the reward function or change --reward-key"
                 )
             return float(self.reward[reward_key])
         if self.unfinished:

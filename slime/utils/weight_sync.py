@@ -35,7 +35,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from slime.ray.train_actor import get_free_port
+from slime.utils.http_utils import find_free_port
 from slime.utils.weight_transport import init_process_group_like_sglang, serialize_named_tensors
 
 GROUP_NAME = "slime_weight_update"
@@ -182,7 +182,7 @@ def connect_broadcast_group(
     """
     name = f"{GROUP_NAME}_{uuid.uuid4().hex[:12]}"
     backend = "nccl" if engine_kind == "sglang" and torch.cuda.is_available() else "gloo"
-    port = get_free_port(master_address)
+    port = find_free_port(master_address)
     world_size = 1 + len(engines) * gpus_per_engine
     with ThreadPoolExecutor(max_workers=len(engines)) as pool:
         joins = [

@@ -51,6 +51,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from slime.algorithms.advantages import compute_advantages_and_returns
+from slime.algorithms.aggregation import StepNormalizer, count_step_samples_and_tokens
+from slime.algorithms.losses import value_loss
+from slime.algorithms.policy_losses import loss_kind
 from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, build_step_micro_batches
 from slime.backends.fsdp_utils.loss import LOSS_FUNCTIONS
@@ -63,15 +67,15 @@ from slime.backends.fsdp_utils.model import (
     read_hf_state_dict,
     response_logits,
     response_values,
+    select_trainable_parameters,
     shard_full_state_dict,
     shard_model,
     snapshot_local_shards,
     training_device,
 )
 from slime.backends.fsdp_utils.update_weight import full_parameter_buckets
-from slime.ray.train_actor import TrainRayActor
-from slime.utils.advantages import compute_advantages_and_returns
-from slime.utils.losses import StepNormalizer, count_step_samples_and_tokens, value_loss
+from slime.backends.train_actor import TrainRayActor
+from slime.utils.arguments import FSDP_ATTENTION_BACKENDS
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import load_function, release_free_host_memory
 from slime.utils.ppo_utils import compute_log_probs
@@ -113,8 +117,21 @@ class FSDPTrainRayActor(TrainRayActor):
             logger.warning("--bf16 on CPU: bf16 matmuls are far slower than float32 on CPUs without bf16 units")
 
         start_path = args.load if is_hf_folder(args.load) else args.hf_checkpoint
-        model = load_model(start_path, role, gradient_checkpointing=getattr(args, "gradient_checkpointing", False))
+        # Megatron's --recompute-* and --attention-backend mean the same here (arguments.add_fsdp_megatron_arguments).
+        recompute = getattr(args, "recompute_activations", False) or getattr(args, "recompute_granularity", None)
+        attention = FSDP_ATTENTION_BACKENDS[getattr(args, "attention_backend", None) or "auto"]
+        model = load_model(
+            start_path,
+            role,
+            gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False) or recompute),
+            attn_implementation=attention,
+        )
         self.attn_implementation = model.config._attn_implementation
+        if args.only_train_params_name_list or args.freeze_params_name_list:
+            trainable = select_trainable_parameters(
+                model, args.only_train_params_name_list, args.freeze_params_name_list
+            )
+            logger.info("rank %d: training %d of the model's parameter tensors", self.rank, len(trainable))
         self.model, _ = shard_model(model, self.dp_size, bf16=getattr(args, "bf16", False))
         self.optimizer = build_optimizer(args, self.model)
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
@@ -123,10 +140,13 @@ class FSDPTrainRayActor(TrainRayActor):
         self.actor_backup: dict[str, torch.Tensor] | None = None
         self.engine_links: EngineLinks | None = None
         self.weight_version = 0
+        # --keep-old-actor: weight version pushed to the engines -> CPU copy of this rank's shards then
+        self.pushed_weights: dict[int, dict[str, torch.Tensor]] = {}
 
         start_rollout_id = 0
         load_root = self._checkpoint_root(args.load)
-        if checkpoint.latest_iteration(load_root) is not None:
+        ckpt_step = getattr(args, "ckpt_step", None)  # Megatron's --ckpt-step: this step instead of the latest
+        if load_root and (ckpt_step is not None or checkpoint.latest_iteration(load_root) is not None):
             finetune = getattr(args, "finetune", False)
             loaded = checkpoint.load_checkpoint(
                 load_root,
@@ -134,6 +154,7 @@ class FSDPTrainRayActor(TrainRayActor):
                 None if finetune or getattr(args, "no_load_optim", False) else self.optimizer,
                 None if finetune else self.lr_scheduler,
                 load_rng=not (finetune or getattr(args, "no_load_rng", False)),
+                rollout_id=ckpt_step,
             )
             start_rollout_id = 0 if finetune else loaded + 1
             logger.info("rank %d: loaded %s rollout %d", self.rank, load_root, loaded)
@@ -219,12 +240,61 @@ class FSDPTrainRayActor(TrainRayActor):
 
     def _reference_log_probs(self, steps: list[list[PackedMicroBatch]], num_samples: int) -> list[torch.Tensor]:
         """Swap the reference weights into the model, take log-probs, swap the actor weights back."""
+        return self._log_probs_with(self.ref_shards, steps, num_samples)
+
+    def _log_probs_with(
+        self, shards: dict[str, torch.Tensor], steps: list[list[PackedMicroBatch]], num_samples: int
+    ) -> list[torch.Tensor]:
+        """Log-probs of other weights (`shards`, this rank's part): swapped into the model and back."""
         self.actor_backup = snapshot_local_shards(self.model, into=self.actor_backup)
-        load_local_shards(self.model, self.ref_shards)
+        load_local_shards(self.model, shards)
         try:
             return self._forward_per_sample(steps, num_samples, "log_probs")
         finally:
             load_local_shards(self.model, self.actor_backup)
+
+    def _behaviour_shards(self, data: dict) -> dict[str, torch.Tensor]:
+        """--keep-old-actor: this rank's shards of the weights the engines generated the rollout with.
+
+        Samples carry the weight version the engine reported (`weight_versions`); the newest version of the
+        rollout over all ranks is used. train_async.py trains on a rollout one weight push behind, so that
+        is the previous push there, the latest push in train.py.
+        """
+        versions = data.get("weight_versions")
+        if not versions or any(v in (None, "") for v in versions):
+            raise ValueError(
+                "--keep-old-actor needs the weight version each sample was generated with (the rollout data's "
+                "weight_versions, from Sample.weight_versions): the default generate records the engine's "
+                "meta_info weight_version; a custom generate function must append it too"
+            )
+        try:
+            newest = max(int(v) for v in versions)
+        except ValueError:
+            raise ValueError(
+                f"--keep-old-actor: weight versions {sorted(set(versions))} are not versions this trainer pushed"
+            ) from None
+        newest_tensor = torch.tensor([newest], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(newest_tensor, op=dist.ReduceOp.MAX)
+        newest = int(newest_tensor.item())
+        if newest not in self.pushed_weights:
+            raise RuntimeError(
+                f"--keep-old-actor: the rollout was generated with weight version {newest}, but the trainer keeps "
+                f"only versions {sorted(self.pushed_weights)} (the last two pushes)"
+            )
+        return self.pushed_weights[newest]
+
+    def _end_of_rollout(self, rollout_id: int) -> None:
+        """--ref-update-interval: the reference becomes the actor every N rollouts; --reset-optimizer-states."""
+        interval = self.args.ref_update_interval
+        if self.ref_shards is not None and interval and (rollout_id + 1) % interval == 0:
+            self.ref_shards = snapshot_local_shards(self.model, into=self.ref_shards)
+        if self.args.reset_optimizer_states:
+            # Zeroed moments and step count: the next step is a fresh AdamW's first step.
+            with torch.no_grad():
+                for state in self.optimizer.state.values():
+                    for value in state.values():
+                        if isinstance(value, torch.Tensor):
+                            value.zero_()
 
     def compute_values(self, rollout_data: Any) -> list[list[float]]:
         """Critic: values of every response token of this rank's samples (PPO's GAE input for the actor).
@@ -254,6 +324,7 @@ class FSDPTrainRayActor(TrainRayActor):
         steps = self._micro_batches(data)
         num_samples = len(data["tokens"])
         metrics: dict[str, float] = {}
+        train_log_probs = None  # the trainer's log-probs of the rollout, compared with the engines'
         fuse_old_log_probs = self._old_log_probs_from_training_forward(data)
         if self.role == "critic":
             data["values"] = self._take_remembered_values(data)
@@ -265,10 +336,15 @@ class FSDPTrainRayActor(TrainRayActor):
                 data["ref_log_probs"] = self._reference_log_probs(steps, num_samples)
             if self.args.use_rollout_logprobs:
                 data["log_probs"] = data["rollout_log_probs"]
+                if self.args.get_mismatch_metrics:  # the trainer's own log-probs, only to measure the gap
+                    train_log_probs = self._forward_per_sample(steps, num_samples, "log_probs")
             elif fuse_old_log_probs:
                 data["log_probs"] = [None] * num_samples  # filled by the training forward
             elif not self._old_log_probs_unused(has_reference=self.ref_shards is not None):
-                data["log_probs"] = self._forward_per_sample(steps, num_samples, "log_probs")
+                if self.args.keep_old_actor:  # the policy that generated the rollout, not the current weights
+                    data["log_probs"] = self._log_probs_with(self._behaviour_shards(data), steps, num_samples)
+                else:
+                    data["log_probs"] = self._forward_per_sample(steps, num_samples, "log_probs")
             if values_refs is not None:
                 data["values"] = self._values_for_this_rank(values_refs)
         if not self.args.disable_compute_advantages_and_returns:
@@ -277,11 +353,17 @@ class FSDPTrainRayActor(TrainRayActor):
             load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
 
         metrics |= self._optimize(steps, data, fuse_old_log_probs)
-        measured = data.get("log_probs") is not None and not self.args.use_rollout_logprobs
-        if self.role == "actor" and measured and data.get("rollout_log_probs") is not None:
+        if not self.args.use_rollout_logprobs:
+            train_log_probs = data.get("log_probs")
+        if self.role == "actor" and train_log_probs is not None and data.get("rollout_log_probs") is not None:
             metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
-                self._logprob_abs_diff(data["log_probs"], data["rollout_log_probs"], data["loss_masks"])
+                self._logprob_abs_diff(train_log_probs, data["rollout_log_probs"], data["loss_masks"])
             )
+            if self.args.get_mismatch_metrics:
+                metrics["train_rollout_kl"] = self._mismatch_kl(
+                    train_log_probs, data["rollout_log_probs"], data["loss_masks"]
+                )
+        self._end_of_rollout(rollout_id)
         release_free_host_memory()  # the step's activations, or the trainer's resident size keeps growing
         return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()}
 
@@ -298,6 +380,7 @@ class FSDPTrainRayActor(TrainRayActor):
             self.role == "actor"
             and data["num_steps"] == 1
             and not args.use_rollout_logprobs
+            and not args.keep_old_actor
             and self.ref_shards is None
             and args.loss_type == "policy_loss"
             and not getattr(args, "custom_advantage_function_path", None)
@@ -309,8 +392,7 @@ class FSDPTrainRayActor(TrainRayActor):
         # Zero-weight micro-batches are padding copies (equal forward counts across ranks): not counted.
         step_indices = [[i for mb in micro_batches if mb.weight for i in mb.sample_indices] for micro_batches in steps]
         counts = self._all_reduce(count_step_samples_and_tokens(step_indices, data["loss_masks"]))
-        per_token = bool(getattr(self.args, "calculate_per_token_loss", False))
-        return [StepNormalizer(int(samples), int(tokens), per_token) for samples, tokens in counts.tolist()]
+        return [StepNormalizer.from_args(self.args, samples, tokens) for samples, tokens in counts.tolist()]
 
     def _optimize(
         self, steps: list[list[PackedMicroBatch]], data: dict, fill_old_log_probs: bool = False
@@ -324,7 +406,7 @@ class FSDPTrainRayActor(TrainRayActor):
         if self.role == "critic":
             loss_function = value_loss
         else:
-            loss_function = LOSS_FUNCTIONS[self.args.loss_type]
+            loss_function = LOSS_FUNCTIONS[loss_kind(self.args.loss_type)]
         started = time.time()
         step_sums: list[dict[str, float]] = []
         grad_norms, lrs, skipped = [], [], 0
@@ -355,6 +437,11 @@ class FSDPTrainRayActor(TrainRayActor):
                 self.optimizer.step()
                 self.lr_scheduler.step()
                 grad_norms.append(grad_norm)
+            elif getattr(self.args, "check_for_nan_in_loss_and_grad", True):
+                raise FloatingPointError(
+                    f"the gradient norm of optimizer step {len(step_sums)} of this rollout is {grad_norm} (NaN or "
+                    "inf in the loss or gradients); pass --no-check-for-nan-in-loss-and-grad to skip such steps"
+                )
             else:
                 skipped += 1
                 logger.warning("rank %d: grad norm is %s; skipping this optimizer step", self.rank, grad_norm)
@@ -399,6 +486,17 @@ class FSDPTrainRayActor(TrainRayActor):
         largest = largest.to(self._collective_device())
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         return float(totals[0] / totals[1].clamp_min(1)), float(largest.cpu())
+
+    def _mismatch_kl(self, train: list[torch.Tensor], rollout: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
+        """KL(engine policy || trainer policy) over trainable tokens of all ranks (k3 estimate on the engines'
+        samples: r - 1 - log r with r = p_train / p_rollout)."""
+        totals = torch.zeros(2, dtype=torch.float64)
+        for x, y, mask in zip(train, rollout, masks, strict=True):
+            log_ratio = torch.as_tensor(x, dtype=torch.float64) - torch.as_tensor(y, dtype=torch.float64)
+            totals[0] += float(((log_ratio.exp() - 1 - log_ratio) * mask).sum())
+            totals[1] += float(mask.sum())
+        totals = self._all_reduce(totals)
+        return float(totals[0] / totals[1].clamp_min(1))
 
     def _collective_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -449,6 +547,10 @@ class FSDPTrainRayActor(TrainRayActor):
         buckets = full_parameter_buckets(self.model, self.args.update_weight_buffer_size, dtype)
         update_engine_weights(self.engine_links, buckets, self.rank, str(self.weight_version + 1))
         self.weight_version += 1
+        if self.args.keep_old_actor:
+            # The two newest pushes: a rollout is generated at most one push behind the trainer.
+            reuse = self.pushed_weights.pop(min(self.pushed_weights)) if len(self.pushed_weights) >= 2 else None
+            self.pushed_weights[self.weight_version] = snapshot_local_shards(self.model, into=reuse)
         if self.args.check_weight_update_equal and self.weight_version == 1:
             self.check_weights_equal()
 

@@ -1,7 +1,7 @@
 """Losses of one FSDP micro-batch from the response logits: policy, SFT and custom (value loss for the critic).
 
 The current policy's log-probs and entropies come from the `[M, vocab]` response logits; the loss
-assembly and the step normalizer are backend-neutral (`slime.utils.losses`). FSDP averages gradients
+assembly and the step normalizer are backend-neutral (`slime.algorithms.losses`). FSDP averages gradients
 over ranks, so the trainer multiplies the loss by the data-parallel size before `backward`.
 """
 
@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from slime.utils.losses import Metrics, StepNormalizer, policy_loss_from_log_probs, sft_loss_from_log_probs
+from slime.algorithms.aggregation import StepNormalizer
+from slime.algorithms.logprobs import compute_entropy_from_logits, compute_log_probs
+from slime.algorithms.losses import Metrics, policy_loss_from_log_probs, sft_loss_from_log_probs
 from slime.utils.misc import load_function
-from slime.utils.ppo_utils import compute_entropy_from_logits, compute_log_probs
 
 
 def policy_loss(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from argparse import Namespace
 
 import torch
@@ -70,24 +71,28 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).clone()
 
 
-def load_model(path: str, role: str = "actor", gradient_checkpointing: bool = False) -> nn.Module:
+def load_model(
+    path: str, role: str = "actor", gradient_checkpointing: bool = False, attn_implementation: str | None = None
+) -> nn.Module:
     """Load an unsharded float32 model from a HF folder on CPU.
 
     Args:
         path: HF model folder.
         role: "actor" (causal LM) or "critic" (`ValueModel` on the same backbone; the LM head is dropped).
         gradient_checkpointing: Recompute each decoder layer's activations in backward.
+        attn_implementation: HF attention implementation ("sdpa", "eager", "flash_attention_2"); None: the default.
 
     Returns:
         The model, in train mode.
     """
     if not is_hf_folder(path):
         raise ValueError(f"{path!r} is not a HuggingFace model folder (no config.json); check --hf-checkpoint / --load")
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if role == "actor":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
         hf_model = model
     elif role == "critic":
-        hf_model = AutoModel.from_pretrained(path, dtype=torch.float32)
+        hf_model = AutoModel.from_pretrained(path, dtype=torch.float32, **kwargs)
         model = ValueModel(hf_model)
     else:
         raise ValueError(f"unknown role {role!r}; use 'actor' or 'critic'")
@@ -98,6 +103,41 @@ def load_model(path: str, role: str = "actor", gradient_checkpointing: bool = Fa
         else:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model.train()
+
+
+def select_trainable_parameters(
+    model: nn.Module, only_train: list[str] | None = None, freeze: list[str] | None = None
+) -> list[str]:
+    """Turn `requires_grad` off by name: `only_train` keeps only matching parameters trainable, then `freeze`
+    freezes matching ones (`--only-train-params-name-list`, `--freeze-params-name-list`).
+
+    A pattern matches a parameter when `re.search(pattern, name)` finds it, so a plain substring works.
+
+    Returns:
+        The names of the parameters left trainable.
+
+    Raises:
+        ValueError: A pattern matches no parameter, or nothing is left to train.
+    """
+    names = [name for name, _ in model.named_parameters()]
+    for flag, patterns in (("--only-train-params-name-list", only_train), ("--freeze-params-name-list", freeze)):
+        for pattern in patterns or []:
+            if not any(re.search(pattern, name) for name in names):
+                raise ValueError(
+                    f"{flag}: {pattern!r} matches no parameter of the model; names look like "
+                    f"{', '.join(names[:3])}, ..."
+                )
+    for name, param in model.named_parameters():
+        trainable = not only_train or any(re.search(p, name) for p in only_train)
+        if trainable and freeze and any(re.search(p, name) for p in freeze):
+            trainable = False
+        param.requires_grad_(trainable)
+    kept = [name for name, param in model.named_parameters() if param.requires_grad]
+    if not kept:
+        raise ValueError(
+            "--only-train-params-name-list / --freeze-params-name-list leave no parameter to train; loosen them"
+        )
+    return kept
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -21,7 +21,7 @@ Critic: the same backbone, loaded from the same HF weights but for the LM head, 
 value head (critic.py) giving one value per position; a response token's value is the one at the
 position predicting it, as in the FSDP critic. Its `train` takes the values of `compute_values` (or
 recomputes them), computes returns by GAE with a zero reward-side KL, and minimizes the clipped value
-loss (`slime.utils.losses.value_loss`) through the same schedule. Its metrics are not prefixed.
+loss (`slime.algorithms.losses.value_loss`) through the same schedule. Its metrics are not prefixed.
 
 Loss scaling: the loss of a micro-batch is this data-parallel rank's share of the global-batch
 value (`loss.StepNormalizer`). Megatron's schedule divides it by the micro-batch count (and
@@ -48,6 +48,10 @@ import ray
 import torch
 import torch.distributed as dist
 
+from slime.algorithms.advantages import compute_advantages_and_returns
+from slime.algorithms.aggregation import StepNormalizer, count_step_samples_and_tokens
+from slime.algorithms.losses import value_loss
+from slime.algorithms.policy_losses import loss_kind
 from slime.backends.megatron_utils import checkpoint
 from slime.backends.megatron_utils.config import args_vocab_size, config_from_hf, model_family, use_transformer_engine
 from slime.backends.megatron_utils.cp_utils import gather_zigzag, zigzag_positions, zigzag_slice
@@ -61,13 +65,11 @@ from slime.backends.megatron_utils.model import (
     build_model,
     build_optimizer,
     initialize_model_parallel_from_args,
-    unwrap_model,
 )
 from slime.backends.megatron_utils.parallel import named_weights
+from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.backends.megatron_utils.update_weight import hf_weight_buckets
-from slime.ray.train_actor import TrainRayActor
-from slime.utils.advantages import compute_advantages_and_returns
-from slime.utils.losses import StepNormalizer, count_step_samples_and_tokens, value_loss
+from slime.backends.train_actor import TrainRayActor
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import load_function, release_free_host_memory
 from slime.utils.weight_sync import (
@@ -475,13 +477,12 @@ class MegatronTrainRayActor(TrainRayActor):
         step_indices = [[i for mb in micro_batches for i in mb.sample_indices] for micro_batches in steps]
         counts = count_step_samples_and_tokens(step_indices, data["loss_masks"])
         counts = self._all_reduce(counts, self.mpu.get_data_parallel_group())
-        per_token = bool(getattr(self.args, "calculate_per_token_loss", False))
-        return [StepNormalizer(int(samples), int(tokens), per_token) for samples, tokens in counts.tolist()]
+        return [StepNormalizer.from_args(self.args, samples, tokens) for samples, tokens in counts.tolist()]
 
     def _optimize(self, rollout_id: int, steps: list[list[PackedMicroBatch]], data: dict) -> dict[str, float]:
         """One optimizer step per entry of `steps`; metrics averaged over steps, reduced over ranks."""
         normalizers = self._step_normalizers(steps, data)
-        loss_function = value_loss if self.role == "critic" else LOSS_FUNCTIONS[self.args.loss_type]
+        loss_function = value_loss if self.role == "critic" else LOSS_FUNCTIONS[loss_kind(self.args.loss_type)]
         temperature = self.args.rollout_temperature
         entropy_grad = self.args.entropy_coef != 0
         # Each data-parallel shard's metrics are counted once: on its last pipeline stage, TP/CP rank 0.

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from slime.backends.megatron_utils.config import load_hf_config
 from slime.backends.megatron_utils.hf_to_megatron import load_hf_weights
 from slime.backends.megatron_utils.megatron_to_hf import megatron_state_to_hf
-from slime.backends.megatron_utils.model import unwrap_model
+from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.utils import atomic_dir, run_dir
 
 logger = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ all-reduce over the tensor-parallel group: the max (for stability, no gradient),
 The summing all-reduces are Megatron's `reduce_from_tensor_model_parallel_region` (identity in
 backward: every rank computes the same loss from the reduced sums). Megatron pads the vocabulary;
 the padded entries are masked out so the softmax runs over the true vocabulary, as the HF model's
-and the engine's do. With one tensor-parallel rank the shared `slime.utils.ppo_utils` functions
+and the engine's do. With one tensor-parallel rank the shared `slime.algorithms.logprobs` functions
 are used on the true-vocabulary slice, the same calls as the FSDP backend.
 
-The loss assembly and its step normalizer are backend-neutral (`slime.utils.losses`), the same as the
+The loss assembly and its step normalizer are backend-neutral (`slime.algorithms.losses`), the same as the
 FSDP backend's: identical log-probs give identical losses. The trainer scales the loss for
 Megatron's gradient averaging.
 """
@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slime.utils.losses import Metrics, StepNormalizer, policy_loss_from_log_probs, sft_loss_from_log_probs
+from slime.algorithms.aggregation import StepNormalizer
+from slime.algorithms.logprobs import compute_entropy_from_logits, compute_log_probs
+from slime.algorithms.losses import Metrics, policy_loss_from_log_probs, sft_loss_from_log_probs
 from slime.utils.misc import load_function
-from slime.utils.ppo_utils import compute_entropy_from_logits, compute_log_probs
 
 # Logit given to padded vocabulary entries: exp() of it is exactly 0, and 0 * it is 0 (not nan).
 _MASKED_LOGIT = -1e30
@@ -109,12 +110,12 @@ class ResponseOutputs:
 def policy_loss(
     args: Namespace, batch: dict, outputs: ResponseOutputs, normalizer: StepNormalizer
 ) -> tuple[torch.Tensor, Metrics]:
-    """PPO-family policy loss (PPO / GSPO / CISPO, TIS), plus entropy bonus and KL-to-reference loss.
+    """The `--loss-type` policy loss (TIS), plus entropy bonus and KL-to-reference loss.
 
     Same definition as the FSDP backend's: identical inputs give identical values.
 
     Args:
-        args: `advantage_estimator`, `eps_clip`, `eps_clip_high`, `eps_clip_c`, `use_tis` (+
+        args: `loss_type`, `advantage_estimator`, `eps_clip`, `eps_clip_high`, `eps_clip_c`, `use_tis` (+
             `custom_tis_function_path`, `tis_clip`, `tis_clip_low`), `entropy_coef`, `use_kl_loss`,
             `kl_loss_coef`, `kl_loss_type`, `use_unbiased_kl`.
         batch: Per-sample lists of the micro-batch: `log_probs` (old), `advantages`, `loss_masks`,
@@ -154,6 +155,7 @@ def custom_loss(
     return loss, {"loss": loss.detach(), **{name: torch.as_tensor(value).detach() for name, value in metrics.items()}}
 
 
+# Keyed by `slime.algorithms.policy_losses.loss_kind(--loss-type)`: every registered policy loss runs `policy_loss`.
 LOSS_FUNCTIONS: dict[str, Callable[..., tuple[torch.Tensor, Metrics]]] = {
     "policy_loss": policy_loss,
     "sft_loss": sft_loss,

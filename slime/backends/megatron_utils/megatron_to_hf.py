@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slime.backends.megatron_utils.model import unwrap_model
 from slime.backends.megatron_utils.parallel import (
     gather_tensor_parallel,
     global_param_name,
     is_expert_weight,
     named_weights,
 )
+from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.backends.megatron_utils.weight_mapping import ModelDims, convert_megatron_tensor_to_hf
 
 

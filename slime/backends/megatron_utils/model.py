@@ -29,6 +29,7 @@ from slime.backends.megatron_utils.config import (
     transformer_config_from_args,
     use_transformer_engine,
 )
+from slime.backends.megatron_utils.unwrap import unwrap_model  # noqa: F401 (re-exported)
 from slime.utils.misc import load_function
 
 
@@ -247,10 +248,3 @@ def build_optimizer(args: argparse.Namespace, model: list[nn.Module]):
     config = transformer_config_from_args(args)
     kwargs.update(params_dtype=config.params_dtype, bf16=config.bf16, fp16=config.fp16)
     return get_megatron_optimizer(OptimizerConfig(**kwargs), model)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP / Float16Module wrappers (anything with a `.module`) down to the GPTModel."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slime.backends.megatron_utils.model import unwrap_model
+from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.backends.megatron_utils.weight_mapping import strip_wrapper_prefix
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

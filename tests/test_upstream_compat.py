@@ -1,0 +1,481 @@
+"""Code written for upstream slime runs unchanged: the names it imports, with upstream's meaning, and a train.py
+run driven by four plugin files shaped like upstream's examples (multi-turn generate, reward, filter, rollout)."""
+
+import argparse
+import asyncio
+import json
+import textwrap
+import threading
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from aiohttp import web
+from e2e_runs import rollout_rows, run_driver_script
+from transformers import AutoTokenizer
+
+from slime.rollout import sglang_rollout
+from slime.utils.arguments import parse_args
+from slime.utils.data import read_file
+from slime.utils.http_utils import HTTPRequestError, find_free_port, post
+from slime.utils.mask_utils import MultiTurnLossMaskGenerator
+from slime.utils.misc import SingletonMeta
+from slime.utils.timer import Timer, inverse_timer, timer
+from slime.utils.types import Sample, Status
+
+
+# ---- Sample ---------------------------------------------------------------------------------------------------
+def test_sample_status_and_upstream_fields():
+    assert Sample.Status is Status and Sample.Status.TRUNCATED.value == "truncated"
+    sample = Sample(index=3, status=Sample.Status.COMPLETED)
+    assert (sample.teacher_log_probs, sample.session_id, sample.non_generation_time, sample.metadata) == (
+        None,
+        None,
+        0.0,
+        {},
+    )
+    sample.teacher_log_probs, sample.session_id, sample.non_generation_time = [-0.5, -1.0], "s-1", 2.5
+    restored = Sample.from_dict(sample.to_dict())
+    assert restored == sample and restored.status is Status.COMPLETED
+    assert "Status" not in sample.to_dict()  # the alias is not a field
+
+
+def test_get_reward_value_takes_upstream_args_or_a_key():
+    no_key, score_key = argparse.Namespace(reward_key=None), argparse.Namespace(reward_key="score")
+    scalar, scored = Sample(index=0, reward=0.25), Sample(index=1, reward={"score": 1, "acc": 0.0})
+    assert scalar.get_reward_value(no_key) == 0.25 and scalar.get_reward_value() == 0.25
+    assert scored.get_reward_value(score_key) == 1.0 and scored.get_reward_value("score") == 1.0
+    # Upstream's args form with no --reward-key hands back the dict itself (a reward post-process reads it).
+    assert scored.get_reward_value(no_key) == {"score": 1, "acc": 0.0}
+    assert Sample(index=2, status=Status.ABORTED).get_reward_value(score_key) == 0.0
+
+
+@pytest.mark.reliability("--reward-key names an entry the reward dict lacks", "ValueError naming the key and keys")
+def test_get_reward_value_missing_key_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"--reward-key 'score' is not in its reward, which has keys \['acc'\]"):
+        Sample(index=1, reward={"acc": 1.0}).get_reward_value(argparse.Namespace(reward_key="score"))
+    with pytest.raises(ValueError, match="pass --reward-key"):
+        Sample(index=1, reward={"acc": 1.0}).get_reward_value(None)
+
+
+# ---- MultiTurnLossMaskGenerator -------------------------------------------------------------------------------
+CONVERSATION = [
+    {"role": "system", "content": "think step by step, then answer."},
+    {"role": "user", "content": "What is 12 + 34?"},
+    {"role": "assistant", "content": "The answer is 46."},
+    {"role": "tool", "content": "0123456789"},
+    {"role": "assistant", "content": "the quick brown fox"},
+    {"role": "user", "content": "and 1 + 2?"},
+]
+
+# Qwen2.5-style ChatML: a default system prompt when there is none, tool results as user turns.
+QWEN25_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tiny_model_dir):
+    tiny = AutoTokenizer.from_pretrained(tiny_model_dir)
+    qwen = AutoTokenizer.from_pretrained(tiny_model_dir)
+    qwen.chat_template = QWEN25_TEMPLATE
+    llama = AutoTokenizer.from_pretrained(tiny_model_dir)
+    llama.add_special_tokens(
+        {
+            "bos_token": "<|begin_of_text|>",
+            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        }
+    )
+    llama.chat_template = LLAMA3_TEMPLATE
+    return {"tiny": tiny, "qwen2.5": qwen, "llama3": llama}
+
+
+# What each template writes for one assistant turn, from its known layout: the masked text must be exactly this.
+ASSISTANT_TURN = {"tiny": "{}<|im_end|>\n", "qwen2.5": "{}<|im_end|>\n", "llama3": "{}<|eot_id|>"}
+
+
+@pytest.mark.parametrize("style", ["tiny", "qwen2.5", "llama3"])
+def test_loss_mask_is_one_exactly_on_assistant_turns(tokenizers, style):
+    tokenizer = tokenizers[style]
+    generator = MultiTurnLossMaskGenerator(tokenizer, tokenizer_type="llama" if style == "llama3" else "qwen")
+    token_ids, loss_mask = generator.get_loss_mask(CONVERSATION)
+    # The sequence is the template's rendering of the whole conversation.
+    full = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert tokenizer.decode(token_ids) == full and len(loss_mask) == len(token_ids)
+    assistant = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    expected_turns = [ASSISTANT_TURN[style].format(content) for content in assistant]
+    assert generator.get_text_from_loss_mask(token_ids, loss_mask) == expected_turns
+    # Everything outside those turns is context: the masked-in tokens are those turns' tokens and nothing else.
+    assert sum(loss_mask) == sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in expected_turns)
+    first = full.index(assistant[0])
+    (response_length,) = generator.get_response_lengths([loss_mask])
+    assert tokenizer.decode(token_ids[-response_length:]) == full[first:]
+
+
+@pytest.mark.reliability("get_text_from_loss_mask with a mask shorter than the ids", "ValueError with both lengths")
+def test_response_lengths_and_masked_text(tokenizers):
+    generator = MultiTurnLossMaskGenerator(tokenizers["tiny"])
+    assert generator.get_response_lengths([[0, 0, 1, 0, 1], [0, 0], [1]]) == [3, 0, 1]
+    ids = tokenizers["tiny"]("the quick brown fox", add_special_tokens=False)["input_ids"]
+    mask = [1] + [0] * (len(ids) - 2) + [1]
+    assert generator.get_text_from_loss_mask(ids, mask) == [
+        tokenizers["tiny"].decode(ids[:1]),
+        tokenizers["tiny"].decode(ids[-1:]),
+    ]
+    with pytest.raises(ValueError, match="token ids but .* loss mask entries"):
+        generator.get_text_from_loss_mask(ids, mask[:-1])
+
+
+@pytest.mark.reliability("unknown --loss-mask-type, or a tokenizer with no chat template", "ValueError naming the fix")
+def test_mask_generator_refuses_unknown_type_and_missing_template(tokenizers, tiny_model_dir):
+    with pytest.raises(ValueError, match=r"unknown loss mask type 'chatgpt' \(--loss-mask-type\)"):
+        MultiTurnLossMaskGenerator(tokenizers["tiny"], tokenizer_type="chatgpt")
+    bare = AutoTokenizer.from_pretrained(tiny_model_dir)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        MultiTurnLossMaskGenerator(bare)
+
+
+@pytest.mark.reliability(
+    "a Qwen3-style template that rewrites the last turn, two turns", "ValueError, not a wrong mask"
+)
+def test_qwen3_style_template_masks_one_turn_and_refuses_two(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n{{ m['content'] }}<|im_end|>\n"
+        "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    generator = MultiTurnLossMaskGenerator(tokenizer, tokenizer_type="qwen3")
+    token_ids, loss_mask = generator.get_loss_mask(CONVERSATION[:3])
+    assert generator.get_text_from_loss_mask(token_ids, loss_mask) == [
+        "<think>\n\n</think>\n\nThe answer is 46.<|im_end|>\n"
+    ]
+    with pytest.raises(ValueError, match="assistant turn at message 2: .* renders this turn differently"):
+        generator.get_loss_mask(CONVERSATION[:5])
+
+
+# ---- http_utils.post ------------------------------------------------------------------------------------------
+class FlakyServer:
+    """A real aiohttp server on loopback: /flaky answers 503 `failures` times, then echoes; /bad answers 400."""
+
+    def __init__(self, failures: int):
+        self.failures, self.calls = failures, 0
+        self.port = find_free_port()
+
+    async def flaky(self, request):
+        self.calls += 1
+        if self.calls <= self.failures:
+            return web.Response(status=503, text="warming up")
+        return web.json_response({"echo": await request.json(), "calls": self.calls})
+
+    async def bad(self, request):
+        self.calls += 1
+        return web.Response(status=400, text="bad payload")
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.add_routes([web.post("/flaky", self.flaky), web.post("/bad", self.bad)])
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+@pytest.mark.reliability("post() to a server that answers 503 once", "retried a second later; the answer comes back")
+def test_post_retries_a_busy_server_and_returns_json():
+    async def main():
+        async with FlakyServer(failures=1) as server:
+            return await post(f"http://127.0.0.1:{server.port}/flaky", {"x": 1})
+
+    assert asyncio.run(main()) == {"echo": {"x": 1}, "calls": 2}
+
+
+@pytest.mark.reliability("post() to an endpoint answering 400", "HTTPRequestError at once, no retries")
+def test_post_raises_on_a_client_error_without_retrying():
+    async def main():
+        async with FlakyServer(failures=0) as server:
+            with pytest.raises(HTTPRequestError, match="HTTP 400: bad payload"):
+                await post(f"http://127.0.0.1:{server.port}/bad", {"x": 1}, max_retries=5)
+            return server.calls
+
+    assert asyncio.run(main()) == 1
+
+
+# ---- data.read_file, Timer, SingletonMeta ---------------------------------------------------------------------
+@pytest.mark.reliability("read_file on a path that does not exist", "FileNotFoundError naming the path")
+def test_read_file_yields_records_from_jsonl_and_parquet(tmp_path):
+    rows = [{"prompt": "1 + 1", "label": "2"}, {"prompt": "2 + 2", "label": "4"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert list(read_file(str(tmp_path / "d.jsonl"))) == rows
+    assert list(read_file(str(tmp_path / "d.parquet"))) == rows
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list(read_file(str(tmp_path / "missing.jsonl")))
+
+
+@pytest.fixture
+def fresh_timer():
+    Timer.forget_instance()
+    yield Timer()
+    Timer.forget_instance()
+
+
+def test_timer_sums_named_blocks(fresh_timer, monkeypatch):
+    clock = iter([10.0, 12.5, 20.0, 21.0, 30.0, 30.25, 31.0, 34.0])
+    monkeypatch.setattr("slime.utils.timer.time.perf_counter", lambda: next(clock))
+
+    @timer
+    def step():
+        pass
+
+    with timer("reward"):
+        pass
+    with Timer().context("reward"):
+        pass
+    step()
+    Timer().start("train")
+    Timer().end("train")
+    assert Timer() is fresh_timer and fresh_timer.log_dict() == {"reward": 3.5, "step": 0.25, "train": 3.0}
+    fresh_timer.reset("reward")
+    assert fresh_timer.log_dict() == {"step": 0.25, "train": 3.0}
+    fresh_timer.reset()
+    assert fresh_timer.log_dict() == {}
+
+
+def test_inverse_timer_leaves_out_the_paused_block(fresh_timer, monkeypatch):
+    clock = iter([0.0, 1.0, 5.0, 6.0])
+    monkeypatch.setattr("slime.utils.timer.time.perf_counter", lambda: next(clock))
+    with timer("rollout"), inverse_timer("rollout"):
+        pass  # 1 s timed, then paused from 1.0 to 5.0, then 1 s more
+    assert fresh_timer.log_dict() == {"rollout": 2.0}
+
+
+@pytest.mark.reliability("Timer started twice, or ended unstarted", "RuntimeError naming the timer")
+def test_timer_misuse_is_a_clear_error(fresh_timer):
+    fresh_timer.start("x")
+    with pytest.raises(RuntimeError, match="timer 'x' is already running"):
+        fresh_timer.start("x")
+    with pytest.raises(RuntimeError, match="timer 'y' was not started"):
+        fresh_timer.end("y")
+
+
+def test_singleton_meta_builds_one_instance_per_class():
+    class Client(metaclass=SingletonMeta):
+        def __init__(self, url):
+            self.url = url
+
+    class Other(metaclass=SingletonMeta):
+        pass
+
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(Client("http://a"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(c) for c in seen}) == 1 and Client("http://b").url == "http://a"
+    assert Other() is Other() and Other() is not Client("x")
+    Client.forget_instance()
+    assert Client("http://b").url == "http://b"
+
+
+# ---- GenerateState --------------------------------------------------------------------------------------------
+def test_generate_state_is_the_rollout_state_with_upstream_names(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(sglang_rollout, "_STATE", None)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"input": "What is 1 + 2?"}) + "\n")
+    args = parse_args([
+        "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(tmp_path / "p.jsonl"), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--num-rollout", "1", "--rollout-max-response-len", "16",
+        "--sglang-server-concurrency", "3",
+    ])  # fmt: skip
+    state = sglang_rollout.GenerateState(args)
+    assert state is sglang_rollout.GenerateState(args) is sglang_rollout.get_state(args)
+    assert state.args is args
+    assert (
+        state.tokenizer("What is 1 + 2?")["input_ids"]
+        == AutoTokenizer.from_pretrained(tiny_model_dir)("What is 1 + 2?")["input_ids"]
+    )
+    assert state.sampling_params == sglang_rollout.sampling_params_from_args(args)
+    assert state.sampling_params["max_new_tokens"] == 16
+
+    async def fill_semaphore() -> bool:
+        for _ in range(state.max_concurrency):
+            await state.semaphore.acquire()
+        return state.semaphore.locked()
+
+    # --sglang-server-concurrency requests per engine, and one engine here.
+    assert args.rollout_num_gpus == args.rollout_num_gpus_per_engine and state.max_concurrency == 3
+    assert asyncio.run(fill_semaphore())
+
+
+# ---- a train.py run driven by upstream-shaped plugins ---------------------------------------------------------
+PLUGINS = {
+    "my_agent.py": '''
+        """A two-turn agent: answer, see a tool's output, answer again (upstream's search-r1 / retool shape)."""
+        import asyncio
+        import time
+
+        from slime.rollout.sglang_rollout import GenerateState
+        from slime.utils.http_utils import post
+        from slime.utils.mask_utils import MultiTurnLossMaskGenerator
+        from slime.utils.misc import SingletonMeta
+        from slime.utils.types import Sample
+
+        TOOL_OUTPUT = "0123456789"
+
+
+        class Calculator(metaclass=SingletonMeta):
+            def __init__(self):
+                self.calls = 0
+
+            async def run(self, query):
+                self.calls += 1
+                await asyncio.sleep(0.01)  # a tool takes time
+                return TOOL_OUTPUT
+
+
+        async def generate(args, sample: Sample, sampling_params) -> Sample:
+            state = GenerateState(args)
+            masker = MultiTurnLossMaskGenerator(state.tokenizer, tokenizer_type=args.loss_mask_type)
+            url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+            messages = list(sample.prompt)
+            sample.session_id = f"session-{sample.index}"
+            for turn in range(2):
+                text = state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                output = await post(url, {"text": text, "sampling_params": sampling_params})
+                finish = output["meta_info"]["finish_reason"]["type"]
+                if finish == "abort":
+                    sample.status = Sample.Status.ABORTED
+                    return sample
+                messages.append({"role": "assistant", "content": output["text"].split(state.tokenizer.eos_token)[0]})
+                if turn == 0:
+                    started = time.perf_counter()
+                    messages.append({"role": "tool", "content": await Calculator().run(output["text"])})
+                    sample.non_generation_time += time.perf_counter() - started
+            token_ids, loss_mask = masker.get_loss_mask(messages)
+            response_length = masker.get_response_lengths([loss_mask])[0]
+            sample.tokens = token_ids
+            sample.response_length = response_length
+            sample.loss_mask = loss_mask[-response_length:]
+            sample.response = state.tokenizer.decode(token_ids[-response_length:])
+            sample.metadata["tool_calls"] = 1
+            sample.status = Sample.Status.TRUNCATED if finish == "length" else Sample.Status.COMPLETED
+            return sample
+    ''',
+    "my_reward.py": """
+        from slime.utils.types import Sample
+
+
+        async def reward(args, sample: Sample) -> dict:
+            correct = float(sample.metadata["answer"] in sample.response)
+            # A tiny random model never answers right; alternate within each group so advantages are not all 0.
+            return {"score": float(sample.index % 2), "correct": correct, "tool_calls": sample.metadata["tool_calls"]}
+    """,
+    "my_filter.py": """
+        import statistics
+
+        from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+
+
+        def keep_varied_rewards(args, samples, **kwargs):
+            rewards = [sample.get_reward_value(args) for sample in samples]
+            spread = statistics.pstdev(rewards)
+            for sample in samples:
+                sample.metadata["group_reward_std"] = spread
+            return DynamicFilterOutput(keep=spread > 0, reason=None if spread > 0 else "zero_std")
+    """,
+    "my_rollout.py": """
+        import asyncio
+
+        from slime.rollout.sglang_rollout import GenerateState, generate_and_rm_group
+        from slime.utils.async_utils import run
+        from slime.utils.misc import load_function
+
+
+        def generate_rollout(args, rollout_id, data_source, evaluation=False):
+            assert not evaluation, "this rollout has no eval mode"
+            return run(collect(args, rollout_id, data_source))
+
+
+        async def collect(args, rollout_id, data_source):
+            state = GenerateState(args)
+            keep = load_function(args.dynamic_sampling_filter_path)
+            kept = []
+            while len(kept) < args.rollout_batch_size:
+                groups = data_source.get_samples(args.rollout_batch_size - len(kept))
+                for group in groups:
+                    for sample in group:
+                        sample.rollout_id = rollout_id
+                        sample.metadata["collected_by"] = "my_rollout"
+                done = await asyncio.gather(*(generate_and_rm_group(args, g, state.sampling_params) for g in groups))
+                kept += [group for group in done if keep(args, group).keep]
+            return kept
+    """,
+}
+
+
+def test_train_py_runs_upstream_shaped_plugins(tiny_model_dir, tmp_path, monkeypatch):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    for name, source in PLUGINS.items():
+        (plugins / name).write_text(textwrap.dedent(source).lstrip())
+    monkeypatch.setenv("PYTHONPATH", str(plugins))
+    data = tmp_path / "train.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "metadata": {"answer": str(a + b)}}
+        for a in range(1, 4)
+        for b in range(1, 4)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save = tmp_path / "run"
+    result = run_driver_script(
+        "train.py", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--input-key", "messages",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
+        "--num-rollout", "2", "--lr", "1e-3", "--save", str(save),
+        "--save-debug-rollout-data", str(save / "rollouts" / "rollout_{rollout_id}.pt"),
+        "--rollout-function-path", "my_rollout.generate_rollout",
+        "--custom-generate-function-path", "my_agent.generate",
+        "--custom-rm-path", "my_reward.reward", "--reward-key", "score",
+        "--dynamic-sampling-filter-path", "my_filter.keep_varied_rewards",
+        timeout=420,
+    )  # fmt: skip
+    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    history = rollout_rows(save)
+    assert [h["rollout_id"] for h in history] == [0, 1] and all("train/loss" in h for h in history)
+    assert [h["rollout/reward"] for h in history] == [0.5, 0.5]  # the "score" entry, picked by --reward-key
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # From the tiny template's layout: what sits between the two assistant turns is context, never trained on.
+    between_turns = "<|im_start|>tool\n0123456789<|im_end|>\n<|im_start|>assistant\n"
+    for rollout_id in (0, 1):
+        saved = torch.load(save / "rollouts" / f"rollout_{rollout_id}.pt", weights_only=False)
+        samples = [Sample.from_dict(d) for d in saved["samples"]]
+        assert len(samples) == 4 and [s.group_index for s in samples][::2] == [s.group_index for s in samples][1::2]
+        for s in samples:
+            assert s.metadata["collected_by"] == "my_rollout" and s.metadata["group_reward_std"] == 0.5
+            assert s.reward["score"] == s.index % 2 and s.reward["tool_calls"] == 1
+            assert s.session_id == f"session-{s.index}" and s.non_generation_time >= 0.01
+            assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.rollout_id == rollout_id
+            response = s.tokens[-s.response_length :]
+            assert len(s.loss_mask) == s.response_length and s.loss_mask[0] == 1
+            masked_out = [t for t, keep in zip(response, s.loss_mask, strict=True) if not keep]
+            assert tokenizer.decode(masked_out) == between_turns, tokenizer.decode(response)
+            prompt = tokenizer.apply_chat_template(s.prompt, tokenize=False, add_generation_prompt=True)
+            assert tokenizer.decode(s.tokens[: -s.response_length]) == prompt
