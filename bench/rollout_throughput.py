@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
-from slime.ray.router import add_worker, start_router, wait_for_workers
+from slime.backends.sglang_utils.router import add_worker, start_router, wait_for_workers
 
 
 def make_prompts(tokenizer, n: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from slime.backends.sglang_utils.sglang_engine import (
+from slime.backends.sglang_utils.engine_command_line import (
     build_cpu_engine_args,
     build_sglang_server_args,
     drop_parser_defaults,
@@ -131,7 +131,7 @@ def test_options_follow_the_target_parser():
 
 @pytest.mark.gpu
 def test_sglang_server_args_parse_with_real_sglang():
-    from slime.backends.sglang_utils.sglang_engine import sglang_cli_parser
+    from slime.backends.sglang_utils.engine_command_line import sglang_cli_parser
     from slime.utils.arguments import SGLANG_MANAGED_FIELDS
 
     parser = sglang_cli_parser()

@@ -21,8 +21,8 @@ import requests
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
 from slime.backends.sglang_utils.http_client import EngineClient
+from slime.backends.sglang_utils.router import add_worker, router_cli_parser, start_router, wait_for_workers
 from slime.backends.sglang_utils.server_process import launch_server_process, stop_server_process
-from slime.ray.router import add_worker, router_cli_parser, start_router, wait_for_workers
 from slime.utils.arguments import ArgumentValidationError, parse_args
 from slime.utils.http_utils import HTTPRequestError, find_free_port, wait_until_healthy
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
-from slime.ray.router import (
+from slime.backends.sglang_utils.router import (
     add_worker,
     list_workers,
     remove_worker,

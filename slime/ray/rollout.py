@@ -22,11 +22,17 @@ import torch
 
 from slime.algorithms.advantages import group_baseline_rewards
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
+from slime.backends.sglang_utils.engine_command_line import engine_api_key
 from slime.backends.sglang_utils.http_client import EngineClient
-from slime.backends.sglang_utils.sglang_engine import engine_api_key
+from slime.backends.sglang_utils.router import (
+    add_worker,
+    remove_worker,
+    router_is_healthy,
+    start_router,
+    wait_for_workers,
+)
 from slime.ray.engine_health import EngineHealthMonitor
 from slime.ray.placement_group import PlacementSlice
-from slime.ray.router import add_worker, remove_worker, router_is_healthy, start_router, wait_for_workers
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import compute_num_rollout
 from slime.rollout.rm_hub import pop_reward_metrics

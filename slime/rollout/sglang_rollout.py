@@ -24,7 +24,7 @@ from typing import Any
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from slime.backends.sglang_utils.sglang_engine import engine_api_key
+from slime.backends.sglang_utils.engine_command_line import engine_api_key
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.async_utils import run

@@ -18,14 +18,14 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
-from slime.backends.sglang_utils.http_client import EngineClient
-from slime.backends.sglang_utils.server_process import launch_server_process, server_log_path, stop_server_process
-from slime.backends.sglang_utils.sglang_engine import (
+from slime.backends.sglang_utils.engine_command_line import (
     build_cpu_engine_args,
     build_sglang_server_args,
     cpu_engine_num_threads,
     engine_api_key,
 )
+from slime.backends.sglang_utils.http_client import EngineClient
+from slime.backends.sglang_utils.server_process import launch_server_process, server_log_path, stop_server_process
 from slime.utils.http_utils import find_free_port, wait_until_healthy
 
 logger = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ from pathlib import Path
 from subprocess import Popen
 from typing import Any
 
+from slime.backends.sglang_utils.engine_command_line import drop_parser_defaults, options_to_cli_args
 from slime.backends.sglang_utils.server_process import launch_server_process, server_log_path, stop_server_process
-from slime.backends.sglang_utils.sglang_engine import drop_parser_defaults, options_to_cli_args
 from slime.utils.arguments import ROUTER_MANAGED_FIELDS
 from slime.utils.http_utils import HTTPRequestError, find_free_port, get_json, request_json, wait_until_healthy
 
