@@ -13,6 +13,7 @@ from slime.utils import arguments
 from slime.utils.arguments import PARSE_TIME_FLAGS, REFUSED_FLAGS, ArgumentValidationError, build_parser, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
+PARSER = REPO / "slime" / "utils" / "arguments"
 BASE = [
     "--train-backend", "fsdp",
     "--rollout-backend", "cpu",
@@ -28,10 +29,12 @@ def source_text() -> str:
     """The code that may read a flag: slime/, slime_plugins/, tools/, train*.py, without the parser itself."""
     files = [f for root in ("slime", "slime_plugins", "tools") for f in (REPO / root).rglob("*.py")]
     files += sorted(REPO.glob("train*.py"))
-    # slime/utils/arguments.py, or an arguments*/ package if the parser is split into modules
-    return "\n".join(
-        f.read_text() for f in files if not f.relative_to(REPO).as_posix().startswith("slime/utils/arguments")
-    )
+    return "\n".join(f.read_text() for f in files if not f.is_relative_to(PARSER))
+
+
+def parser_text() -> str:
+    """The parser's own code: every module of the slime/utils/arguments/ package."""
+    return "\n".join(f.read_text() for f in sorted(PARSER.rglob("*.py")))
 
 
 def forwarded_dests() -> set[str]:
@@ -67,7 +70,7 @@ def test_every_flag_is_read_consumed_or_refused():
     unhandled = [flags[d] for d in unread if d not in refused_everywhere and d not in PARSE_TIME_FLAGS]
     assert not unhandled, (
         f"{len(unhandled)} flags parse without effect: {' '.join(unhandled)}; read them, or add them to "
-        "REFUSED_FLAGS (reason + what instead) or PARSE_TIME_FLAGS in slime/utils/arguments.py"
+        "REFUSED_FLAGS (reason + what instead) or PARSE_TIME_FLAGS in slime/utils/arguments/refused.py"
     )
     if forwarded:
         assert is_read("router_args", text) or is_read("sglang_server_args", text)
@@ -77,7 +80,7 @@ def test_tables_name_registered_flags_and_say_why():
     flags = registered()
     assert not set(REFUSED_FLAGS) - set(flags), "REFUSED_FLAGS names flags that are not registered"
     assert not set(PARSE_TIME_FLAGS) - set(flags), "PARSE_TIME_FLAGS names flags that are not registered"
-    parser_source = (REPO / "slime" / "utils" / "arguments.py").read_text()
+    parser_source = parser_text()
     for dest in PARSE_TIME_FLAGS:
         assert re.search(rf"args\.{dest}\b", parser_source), (
             f"{dest} is in PARSE_TIME_FLAGS but the parser never reads it"
@@ -95,7 +98,6 @@ def test_tables_name_registered_flags_and_say_why():
     ("extra", "reason"),
     [
         (["--use-opd"], "on-policy distillation is not implemented"),
-        (["--eval-config", "/cfg/eval.yaml"], "--eval-prompt-data NAME PATH"),
         (["--update-weight-transport", "disk"], "disk weight sync is not implemented"),
         (["--update-weight-mode", "delta"], "delta weight sync is not implemented"),
         (["--rollout-external-engine-addrs", "10.0.0.1:30000"], "engines started outside slime"),

@@ -458,7 +458,7 @@ class RolloutManager:
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         """Run every eval set; returns `eval/<name>` mean reward and truncation rate."""
-        if not self.args.eval_prompt_data:
+        if not (self.args.eval_prompt_data or getattr(self.args, "eval_config", None)):
             return {}
         output = self._call_rollout_fn(self.eval_fn, rollout_id, evaluation=True)
         data = output.data if isinstance(output, RolloutFnEvalOutput) else output
@@ -468,13 +468,15 @@ class RolloutManager:
         if log_function and load_function(log_function)(rollout_id, self.args, data, metrics):
             return metrics
         reward_key = self.args.eval_reward_key or self.args.reward_key
-        n = self.args.n_samples_per_eval_prompt
         for name, result in data.items():
             rewards = result["rewards"]
             metrics[f"eval/{name}"] = sum(rewards) / max(len(rewards), 1)
             metrics[f"eval/{name}/truncated"] = sum(result["truncated"]) / max(len(rewards), 1)
-            samples = result.get("samples") or []
-            groups = [samples[i : i + n] for i in range(0, len(samples), n)]
+            # Each prompt's samples form a group (datasets of an --eval-config may take different counts).
+            groups: dict[int, list[Sample]] = {}
+            for sample in result.get("samples") or []:
+                groups.setdefault(sample.group_index, []).append(sample)
+            groups = list(groups.values())
             metrics |= reward_breakdown_metrics(self.args, groups, reward_key, f"eval/{name}")
         return metrics
 

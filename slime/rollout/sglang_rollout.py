@@ -29,6 +29,7 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.async_utils import run
 from slime.utils.data import Dataset, load_dataset
+from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import HTTPRequestError, async_post_json
 from slime.utils.misc import load_function, maybe_await
 from slime.utils.types import Sample, Status
@@ -368,50 +369,59 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
     return RolloutFnTrainOutput(samples=kept, metrics=metrics)
 
 
-def _eval_dataset(args, state: RolloutState, name: str, path: str) -> Dataset:
-    if name not in state.eval_datasets:
-        state.eval_datasets[name] = load_dataset(
-            path,
+def _eval_dataset(args, state: RolloutState, dataset: EvalDatasetConfig) -> Dataset:
+    if dataset.name not in state.eval_datasets:
+        state.eval_datasets[dataset.name] = load_dataset(
+            dataset.path,
             args,
             tokenizer=state.tokenizer,
-            flag=f"--eval-prompt-data {name}",
-            input_key=args.eval_input_key or args.input_key,
-            label_key=args.eval_label_key or args.label_key,
-            tool_key=args.eval_tool_key or args.tool_key,
-            max_prompt_len=args.eval_max_prompt_len or args.rollout_max_prompt_len,
+            flag=f"eval dataset {dataset.name}",
+            input_key=dataset.input_key,
+            label_key=dataset.label_key,
+            tool_key=dataset.tool_key,
+            max_prompt_len=dataset.max_prompt_len,
         )
-    return state.eval_datasets[name]
+    return state.eval_datasets[dataset.name]
+
+
+def _eval_sampling_params(args, dataset: EvalDatasetConfig) -> dict[str, Any]:
+    """The eval sampling params with this dataset's own settings (`--eval-config`) applied."""
+    params = sampling_params_from_args(args, evaluation=True)
+    params |= {"temperature": dataset.temperature, "top_p": dataset.top_p, "top_k": dataset.top_k}
+    if dataset.max_response_len is not None:
+        params["max_new_tokens"] = dataset.max_response_len
+    if dataset.min_new_tokens:
+        params["min_new_tokens"] = dataset.min_new_tokens
+    return params
 
 
 async def _generate_eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
     state = get_state(args)
     await state.ensure_started()
-    sampling_params = sampling_params_from_args(args, evaluation=True)
     data: dict[str, dict[str, Any]] = {}
-    for name, path in args.eval_prompt_data or []:
-        dataset = _eval_dataset(args, state, name, path)
+    for dataset in eval_datasets(args):
+        sampling_params = _eval_sampling_params(args, dataset)
+        n = dataset.n_samples_per_eval_prompt
+        extra_metadata = dict(dataset.metadata_overrides) | ({"rm_type": dataset.rm_type} if dataset.rm_type else {})
         samples = []
-        for prompt_index, prompt_sample in enumerate(dataset.samples):
-            for k in range(args.n_samples_per_eval_prompt):
+        for prompt_index, prompt_sample in enumerate(_eval_dataset(args, state, dataset).samples):
+            for k in range(n):
                 s = copy.deepcopy(prompt_sample)
-                s.index, s.group_index, s.rollout_id = (
-                    prompt_index * args.n_samples_per_eval_prompt + k,
-                    prompt_index,
-                    rollout_id,
-                )
+                s.index, s.group_index, s.rollout_id = prompt_index * n + k, prompt_index, rollout_id
+                if extra_metadata:
+                    s.metadata = {**(s.metadata if isinstance(s.metadata, dict) else {}), **extra_metadata}
                 samples.append(s)
         tasks = [generate_and_rm(args, s, sampling_params, evaluation=True) for s in samples]
         results = []
-        for result in tqdm(asyncio.as_completed(tasks), total=len(tasks), desc=f"eval {name}", leave=False):
+        for result in tqdm(asyncio.as_completed(tasks), total=len(tasks), desc=f"eval {dataset.name}", leave=False):
             output = await result
             results.extend(output if isinstance(output, list) else [output])
         if args.group_rm:
             for s, reward in zip(results, await batched_async_rm(args, results), strict=True):
                 s.reward = reward
         results.sort(key=lambda s: s.index)
-        reward_key = args.eval_reward_key or args.reward_key
-        data[name] = {
-            "rewards": [s.get_reward_value(reward_key) for s in results],
+        data[dataset.name] = {
+            "rewards": [s.get_reward_value(dataset.reward_key) for s in results],
             "truncated": [s.status == Status.TRUNCATED for s in results],
             "samples": results,
         }

@@ -1,0 +1,108 @@
+"""The 'train and weight sync' group: trainer environment, how weights reach the engines, what is trained, and
+the trainer-side hooks."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime.utils.arguments.flag_values import _json_object
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("train and weight sync")
+    group.add_argument(
+        "--train-env-vars",
+        type=_json_object,
+        default={},
+        help='Extra environment variables for the trainer processes, as JSON: \'{"NCCL_DEBUG": "INFO"}\'.',
+    )
+    group.add_argument(
+        "--update-weight-mode",
+        choices=["full", "delta"],
+        default="full",
+        help="Push all weights, or only xor-encoded changes (delta needs --update-weight-transport disk).",
+    )
+    group.add_argument(
+        "--update-weight-transport",
+        choices=["nccl", "disk"],
+        default="nccl",
+        help="Disaggregated weight push: a collective broadcast from trainer to engines (gloo on CPU), "
+        "or HF safetensors written to --update-weight-disk-dir.",
+    )
+    group.add_argument("--update-weight-disk-dir", default=None, help="Shared directory for disk weight sync.")
+    group.add_argument(
+        "--update-weight-disk-keep-files", action="store_true", help="Keep the files of each disk weight sync."
+    )
+    group.add_argument("--update-weight-delta-encoding", choices=["xor"], default="xor", help="Delta encoding.")
+    group.add_argument("--update-weight-delta-checksum", default="xxh3-128", help="Checksum of each delta.")
+    group.add_argument(
+        "--update-weight-local-checkpoint-dir", default=None, help="Engine-local directory delta sync writes to."
+    )
+    group.add_argument(
+        "--update-weight-buffer-size",
+        type=int,
+        default=512 * 1024**2,
+        help="Bytes of parameters sent per weight-update bucket (default: 512 MiB).",
+    )
+    group.add_argument(
+        "--update-weights-interval",
+        type=int,
+        default=1,
+        help="Push weights to the engines every this many rollouts (train_async.py).",
+    )
+    group.add_argument(
+        "--release-train",
+        action="store_true",
+        help="Kill the train actors after each step and recreate them from the checkpoint.",
+    )
+    group.add_argument(
+        "--keep-old-actor",
+        action="store_true",
+        help="Take the old log-probs from the weights the engines generated the rollout with (kept on CPU for the "
+        "last two pushes), not the current ones: train_async.py trains one push behind. FSDP only.",
+    )
+    group.add_argument(
+        "--recompute-loss-function", action="store_true", help="Recompute the loss in backward to save memory."
+    )
+    group.add_argument(
+        "--log-probs-chunk-size", type=int, default=-1, help="Tokens per log-prob chunk; -1 means no chunking."
+    )
+    group.add_argument(
+        "--only-train-params-name-list",
+        nargs="+",
+        default=None,
+        help="Train only the parameters whose name matches one of these regexes (re.search). FSDP only.",
+    )
+    group.add_argument(
+        "--freeze-params-name-list",
+        nargs="+",
+        default=None,
+        help="Freeze the parameters whose name matches one of these regexes (re.search). FSDP only.",
+    )
+    group.add_argument("--allgather-cp", action="store_true", help="All-gather context-parallel chunks (DSA models).")
+    group.add_argument("--qwen-gdn-backend", default="fla", help="Kernel backend for Qwen gated delta-net layers.")
+    group.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="FSDP backend: recompute each decoder layer's activations in backward "
+        "(the Megatron backend uses Megatron's --recompute-* flags).",
+    )
+    group.add_argument("--custom-megatron-init-path", default=None, help="f(args), run after Megatron init.")
+    group.add_argument(
+        "--custom-megatron-before-log-prob-hook-path",
+        default=None,
+        help="f(args, model, store_prefix), run before each log-prob pass.",
+    )
+    group.add_argument(
+        "--custom-megatron-before-train-step-hook-path",
+        default=None,
+        help="f(args, rollout_id, step_id, model, optimizer, opt_param_scheduler), run before each step.",
+    )
+    group.add_argument(
+        "--custom-model-provider-path", default=None, help="f(pre_process, post_process, vp_stage) -> model."
+    )
+    group.add_argument(
+        "--custom-update-weight-post-write-path",
+        default=None,
+        help="f(args, version_dir, engines), run after a disk weight sync wrote its files.",
+    )

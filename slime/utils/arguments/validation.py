@@ -1,0 +1,368 @@
+"""`validate_args`: the cross-flag rules, each failing with a message that names the flags and the fix, and the
+defaults that depend on other flags."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import re
+
+import torch
+
+from slime import algorithms
+from slime.algorithms.aggregation import default_loss_agg_mode
+from slime.algorithms.policy_losses import loss_kind
+from slime.utils.arguments.algorithm import _estimator
+from slime.utils.arguments.checkpoint import _validate_output_folders
+from slime.utils.arguments.errors import _fail
+from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH
+from slime.utils.eval_config import load_eval_config
+
+# One logger for the whole parser, named as before the split into modules (log lines show the name).
+logger = logging.getLogger(__package__)
+
+
+def _validate_batch_sizes(args: argparse.Namespace) -> None:
+    """Enforce rollout_batch_size x n_samples_per_prompt == global_batch_size x num_steps_per_rollout."""
+    if args.rollout_batch_size is None:
+        _fail("--rollout-batch-size is required: the number of prompts per rollout step.")
+    if args.rollout_batch_size < 1 or args.n_samples_per_prompt < 1:
+        _fail(
+            f"--rollout-batch-size ({args.rollout_batch_size}) and --n-samples-per-prompt "
+            f"({args.n_samples_per_prompt}) must be at least 1."
+        )
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    identity = (
+        f"--rollout-batch-size ({args.rollout_batch_size}) x --n-samples-per-prompt ({args.n_samples_per_prompt}) "
+        f"= {samples} samples per rollout"
+    )
+    gbs, steps = args.global_batch_size, args.num_steps_per_rollout
+    if gbs is None:
+        steps = 1 if steps is None else steps
+        if steps < 1 or samples % steps:
+            _fail(f"{identity}, which --num-steps-per-rollout ({steps}) does not divide into equal steps.")
+        gbs = samples // steps
+    elif steps is None:
+        if gbs < 1 or samples % gbs:
+            _fail(f"{identity}, which is not a multiple of --global-batch-size ({gbs}); change one of them.")
+        steps = samples // gbs
+    elif gbs * steps != samples:
+        _fail(
+            f"{identity}, but --global-batch-size ({gbs}) x --num-steps-per-rollout ({steps}) = {gbs * steps}; "
+            "they must be equal. Drop --global-batch-size or --num-steps-per-rollout to derive it."
+        )
+    args.global_batch_size, args.num_steps_per_rollout = gbs, steps
+
+
+def _validate_placement(args: argparse.Namespace) -> None:
+    args.actor_world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.colocate:
+        if args.rollout_num_gpus is not None and args.rollout_num_gpus != args.actor_world_size:
+            logger.warning(
+                "--colocate: --rollout-num-gpus %s replaced by the actor's %s GPUs "
+                "(--actor-num-nodes x --actor-num-gpus-per-node).",
+                args.rollout_num_gpus,
+                args.actor_world_size,
+            )
+        args.rollout_num_gpus = args.actor_world_size
+    elif args.rollout_num_gpus is None:
+        if args.rollout_backend == "cpu":
+            args.rollout_num_gpus = 1  # one CPU engine slot
+        elif not args.debug_train_only:
+            _fail(
+                "--rollout-num-gpus is required without --colocate: the GPUs the rollout engines get "
+                "besides the actor's. Pass it, or --colocate to share the actor's GPUs."
+            )
+    if args.rollout_num_gpus is None:
+        args.rollout_num_engines = 0
+    else:
+        if args.rollout_num_gpus_per_engine < 1 or args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+            _fail(
+                f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of "
+                f"--rollout-num-gpus-per-engine ({args.rollout_num_gpus_per_engine})."
+            )
+        args.rollout_num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+
+    args.use_critic = _estimator(args).critic
+    if args.offload:
+        args.offload_train = True if args.offload_train is None else args.offload_train
+        args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
+    if args.offload_train is None:
+        # The critic shares the actor's GPUs, so one of them must step aside while the other runs.
+        args.offload_train = args.colocate or args.use_critic
+    if args.offload_rollout is None:
+        args.offload_rollout = args.colocate
+
+    if args.rollout_backend == "cpu" and not args.colocate:
+        trainer_threads = 0 if args.debug_rollout_only else args.actor_world_size * args.train_num_threads
+        engine_threads = 0 if args.debug_train_only else args.rollout_num_engines * args.cpu_engine_num_threads
+        cores = os.cpu_count() or 1
+        if trainer_threads + engine_threads > cores:
+            logger.warning(
+                "%d trainer threads + %d CPU engine threads exceed the %d cores; oversubscribed threads slow "
+                "everything down. Lower --train-num-threads / --cpu-engine-num-threads or the process counts.",
+                trainer_threads,
+                engine_threads,
+                cores,
+            )
+
+
+def _validate_algorithm_registries(args: argparse.Namespace) -> None:
+    """Rules that come from the registered estimator, policy loss, KL estimator and loss aggregation."""
+    estimator = _estimator(args)
+    registered = {
+        "--loss-type": (args.loss_type, algorithms.loss_type_choices()),
+        "--kl-loss-type": (args.kl_loss_type, algorithms.KL_ESTIMATORS.names()),
+        "--loss-agg-mode": (args.loss_agg_mode, algorithms.LOSS_AGGREGATIONS.names()),
+    }
+    for flag, (name, names) in registered.items():
+        if name is not None and name not in names:
+            _fail(
+                f"{flag} {name} is not registered; choose from {', '.join(names)}, or register it in a module "
+                "passed to --custom-algorithm-module."
+            )
+
+    # A group baseline with one sample per prompt subtracts each reward from itself: all advantages are 0.
+    group_baseline_used = (
+        estimator.group_rewards is not None
+        and not args.disable_rewards_normalization
+        and not args.custom_reward_post_process_path
+        and not getattr(args, "custom_advantage_function_path", None)
+        and loss_kind(args.loss_type) == "policy_loss"
+        and not args.debug_rollout_only
+    )
+    if group_baseline_used and args.n_samples_per_prompt < 2:
+        _fail(
+            f"--advantage-estimator {args.advantage_estimator} compares each response with the other responses "
+            f"to the same prompt, but --n-samples-per-prompt is {args.n_samples_per_prompt}: every advantage would "
+            "be 0 and nothing would learn. Pass --n-samples-per-prompt 2 or more (e.g. 8), or "
+            "--disable-rewards-normalization to train on raw rewards."
+        )
+    if estimator.whiten and not args.normalize_advantages:
+        logger.warning(
+            "--advantage-estimator %s normalizes advantages; turning on --normalize-advantages.",
+            args.advantage_estimator,
+        )
+        args.normalize_advantages = True
+
+    per_token = getattr(args, "calculate_per_token_loss", False)
+    if per_token and args.loss_agg_mode not in (None, "token-mean"):
+        _fail(
+            f"--calculate-per-token-loss means --loss-agg-mode token-mean, but --loss-agg-mode is "
+            f"{args.loss_agg_mode}; pass only one of them."
+        )
+    args.loss_agg_mode = default_loss_agg_mode(args)
+    if args.loss_agg_mode == "seq-mean-token-sum-norm" and not args.rollout_max_response_len:
+        _fail(
+            "--loss-agg-mode seq-mean-token-sum-norm divides each sample's token sum by a constant response "
+            "length; pass --rollout-max-response-len."
+        )
+
+
+def _validate_algorithm(args: argparse.Namespace) -> None:
+    if args.rollout_temperature <= 0:
+        _fail(
+            f"--rollout-temperature must be > 0 (got {args.rollout_temperature}): log-probs are taken at this "
+            "temperature. For near-greedy sampling use a small value such as 0.01, or --rollout-top-k 1."
+        )
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
+        _fail("--loss-type custom_loss needs --custom-loss-function-path pointing at your loss function.")
+    if args.disable_compute_advantages_and_returns and loss_kind(args.loss_type) == "policy_loss":
+        _fail(
+            "--disable-compute-advantages-and-returns leaves the rollout data without the advantages that "
+            "--loss-type policy_loss needs; use it with --loss-type sft_loss (or custom_loss)."
+        )
+    _validate_algorithm_registries(args)
+    if args.use_kl_loss and args.kl_loss_coef == 0:
+        logger.warning("--use-kl-loss with --kl-loss-coef 0 computes the KL but gives it no weight.")
+    if args.use_opd and args.opd_type == "megatron" and not args.opd_teacher_load:
+        _fail("--use-opd --opd-type megatron needs --opd-teacher-load (the teacher checkpoint).")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    if args.num_rollout is None and args.num_epoch is None and not args.debug_train_only:
+        _fail("Pass --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data).")
+    if args.num_rollout is not None and args.num_epoch is not None:
+        logger.warning("Both --num-rollout and --num-epoch given: --num-rollout %s wins.", args.num_rollout)
+    custom_source = not args.rollout_global_dataset or args.data_source_path != DEFAULT_DATA_SOURCE_PATH
+    if args.prompt_data is None and not custom_source and not (args.debug_train_only and args.load_debug_rollout_data):
+        _fail(
+            "--prompt-data is required (a .jsonl or .parquet of prompts), unless --data-source-path or "
+            "--disable-rollout-global-dataset supplies prompts another way."
+        )
+    if args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = args.rollout_batch_size
+    if args.over_sampling_batch_size < args.rollout_batch_size:
+        _fail(
+            f"--over-sampling-batch-size ({args.over_sampling_batch_size}) must be at least --rollout-batch-size "
+            f"({args.rollout_batch_size}): it is how many prompts are submitted per round to fill one batch."
+        )
+    if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
+        _fail("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of a micro-batch).")
+    if args.log_probs_max_tokens_per_gpu is None:
+        args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
+    if args.reward_key is None and (args.rm_type or "").strip() == "dapo" and not args.custom_rm_path:
+        # dapo scores {"score", "acc", "pred"}: train on "score", as upstream's dapo recipes pass --reward-key.
+        args.reward_key = "score"
+    if args.eval_function_path is None:
+        args.eval_function_path = args.rollout_function_path
+    if args.eval_config:
+        try:
+            load_eval_config(args.eval_config)
+        except ValueError as error:
+            _fail(str(error))
+    if args.eval_interval is not None and not (args.eval_prompt_data or args.eval_config):
+        _fail("--eval-interval needs eval data: --eval-prompt-data NAME PATH [NAME PATH ...] or --eval-config FILE.")
+
+
+def _validate_modes(args: argparse.Namespace) -> None:
+    if args.load_debug_rollout_data:
+        if args.debug_rollout_only:
+            _fail(
+                "--load-debug-rollout-data trains on saved data (it implies --debug-train-only) and cannot be "
+                "combined with --debug-rollout-only."
+            )
+        args.debug_train_only = True
+    if args.debug_rollout_only and args.debug_train_only:
+        _fail("--debug-rollout-only and --debug-train-only exclude each other; pass one of them.")
+    if args.hf_checkpoint is None and not (args.debug_train_only and args.train_backend == "megatron" and args.load):
+        _fail("--hf-checkpoint is required: the HF model folder (weights, tokenizer, config).")
+    if args.update_weights_interval < 1:
+        _fail(f"--update-weights-interval must be at least 1 (got {args.update_weights_interval}).")
+    if args.update_weight_mode == "delta":
+        if args.update_weight_transport != "disk":
+            _fail("--update-weight-mode delta needs --update-weight-transport disk.")
+        if args.colocate:
+            _fail("--update-weight-mode delta does not work with --colocate (colocated engines get tensors directly).")
+    if args.save_interval is not None and not args.save:
+        _fail("--save-interval needs --save (the checkpoint directory).")
+
+
+def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check cross-flag rules and fill the defaults that depend on other flags, in place.
+
+    Fills: global_batch_size / num_steps_per_rollout (from the batch identity), actor_world_size,
+    rollout_num_gpus (colocate; 1 on the CPU backend), rollout_num_engines, use_critic,
+    offload_train / offload_rollout, eps_clip_high, over_sampling_batch_size,
+    log_probs_max_tokens_per_gpu, eval_function_path, reward_key ("score" for --rm-type dapo), and
+    debug_train_only when --load-debug-rollout-data is set. Calling it twice gives the same result.
+
+    Args:
+        args: a namespace from slime's parser.
+
+    Returns:
+        the same namespace.
+
+    Raises:
+        ArgumentValidationError: naming the flags at fault and the fix.
+    """
+    _validate_modes(args)
+    _validate_batch_sizes(args)
+    _validate_placement(args)
+    _validate_algorithm(args)
+    _validate_data(args)
+    _validate_output_folders(args)
+    _validate_engine_limits(args)
+    _validate_flag_uses(args)
+    return args
+
+
+def _validate_engine_limits(args: argparse.Namespace) -> None:
+    if args.cpu_engine_max_queued_requests < 1:
+        _fail(f"--cpu-engine-max-queued-requests must be at least 1, got {args.cpu_engine_max_queued_requests}.")
+    api_key = getattr(args, "sglang_api_key", None)
+    if api_key is not None and not isinstance(api_key, str):  # the generic --sglang-* parser typed it
+        _fail(f"--sglang-api-key was read as {api_key!r}, not text; use a key that is not a number or true/false.")
+    if api_key is not None and not api_key.strip():
+        _fail("--sglang-api-key needs a non-empty key: engines require it as 'Authorization: Bearer <key>'.")
+
+
+def _validate_flag_uses(args: argparse.Namespace) -> None:
+    """Rules of the flags whose use depends on other flags (debug data, CI checks, recompute, freezing, ...)."""
+    if not args.rollout_global_dataset and args.prompt_data is not None:
+        _fail(
+            "--disable-rollout-global-dataset says the rollout function brings its own prompts, but --prompt-data "
+            "is given too; drop one of them."
+        )
+    # An SGLang engine's GPUs must sit on one node (the CPU engine is one process whatever the count).
+    if args.rollout_backend == "sglang" and args.rollout_num_gpus_per_engine > args.num_gpus_per_node:
+        _fail(
+            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} is more than --num-gpus-per-node "
+            f"{args.num_gpus_per_node}: engines that span nodes are not supported; use at most "
+            f"{args.num_gpus_per_node} GPUs per engine (or fix --num-gpus-per-node)."
+        )
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        _fail("--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on this machine.")
+
+    ci_flags = {
+        "--ci-disable-kl-checker": args.ci_disable_kl_checker,
+        "--ci-save-grad-norm": args.ci_save_grad_norm,
+        "--ci-load-grad-norm": args.ci_load_grad_norm,
+        "--ci-metric-checker-key": args.ci_metric_checker_key,
+        "--ci-metric-checker-threshold": args.ci_metric_checker_threshold,
+    }
+    given = [flag for flag, value in ci_flags.items() if value not in (None, False)]
+    if given and not args.ci_test:
+        _fail(f"{', '.join(given)} only take effect with --ci-test; add --ci-test or drop them.")
+    if (args.ci_metric_checker_key is None) != (args.ci_metric_checker_threshold is None):
+        _fail("--ci-metric-checker-key and --ci-metric-checker-threshold go together; pass both or neither.")
+    for flag, template in (
+        ("--ci-save-grad-norm", args.ci_save_grad_norm),
+        ("--ci-load-grad-norm", args.ci_load_grad_norm),
+    ):
+        if template is not None and "{rollout_id}" not in template:
+            _fail(f"{flag} {template} must contain {{rollout_id}}: one file per rollout.")
+
+    subsample = args.load_debug_rollout_data_subsample
+    if subsample is not None:
+        if not args.load_debug_rollout_data:
+            _fail("--load-debug-rollout-data-subsample needs --load-debug-rollout-data (the saved rollouts).")
+        if not 0 < subsample <= 1:
+            _fail(
+                f"--load-debug-rollout-data-subsample is the fraction of samples to keep, in (0, 1]; got {subsample}."
+            )
+    template = args.save_debug_train_data
+    if template is not None:
+        try:
+            template.format(rollout_id=0, rank=0)
+        except (KeyError, IndexError, ValueError) as e:
+            _fail(f"--save-debug-train-data {template!r} may contain only {{rollout_id}} and {{rank}} ({e!r}).")
+        if "{rollout_id}" not in template or "{rank}" not in template:
+            _fail(
+                f"--save-debug-train-data {template} must contain {{rollout_id}} and {{rank}}: one file per rollout "
+                "and data-parallel rank, e.g. /tmp/train_{rollout_id}_{rank}.pt."
+            )
+
+    if args.ref_update_interval is not None:
+        if args.ref_update_interval < 1:
+            _fail(f"--ref-update-interval must be at least 1 (got {args.ref_update_interval}).")
+        if not (args.use_kl_loss or args.kl_coef != 0):
+            _fail("--ref-update-interval refreshes the reference model, which only --use-kl-loss or --kl-coef use.")
+    for flag, patterns in (
+        ("--only-train-params-name-list", args.only_train_params_name_list),
+        ("--freeze-params-name-list", args.freeze_params_name_list),
+    ):
+        for pattern in patterns or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                _fail(f"{flag}: {pattern!r} is not a valid regular expression ({e}).")
+
+    if args.keep_old_actor and (args.debug_train_only or args.use_rollout_logprobs):
+        _fail(
+            "--keep-old-actor takes the old log-probs from the weights pushed to the engines; it does nothing with "
+            f"{'--debug-train-only (no engines)' if args.debug_train_only else '--use-rollout-logprobs'}: drop one."
+        )
+
+    if args.train_backend == "fsdp":
+        if args.ckpt_step is not None and not args.load:
+            _fail("--ckpt-step picks a checkpoint of --load; pass --load too.")
+        recompute = args.recompute_activations or args.recompute_granularity is not None
+        if (args.recompute_method is not None or args.recompute_num_layers is not None) and not recompute:
+            _fail("--recompute-method / --recompute-num-layers go with --recompute-granularity full.")
+        if args.attention_backend == "flash" and importlib.util.find_spec("flash_attn") is None:
+            _fail("--attention-backend flash needs the flash-attn package; install it or drop the flag (sdpa).")
