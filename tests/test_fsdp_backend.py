@@ -24,8 +24,8 @@ from slime.backends.fsdp_utils.model import (
     response_logits,
     snapshot_local_shards,
 )
+from slime.backends.train_actor import get_free_port
 from slime.ray.rollout import split_train_data_by_dp
-from slime.ray.train_actor import get_free_port
 from slime.utils.arguments import parse_args
 from slime.utils.micro_batches import group_samples
 from slime.utils.ppo_utils import compute_log_probs
@@ -224,7 +224,7 @@ def test_old_log_probs_from_training_forward_equal_separate_pass(tiny_model_dir)
     for extra in ([], ["--rollout-data-postprocess-path", f"{__name__}.noop_hook"]):
         actor = new_actor(make_args(tiny_model_dir, "--lr", "1e-3", "--use-dynamic-batch-size",
                                     "--max-tokens-per-gpu", "40", *extra))  # fmt: skip
-        assert actor._old_log_probs_from_training_forward(actor._prepare(data)) == (not extra)
+        assert actor._can_fuse_old_log_probs(actor._prepare(data)) == (not extra)
         metrics = actor.train(0, dict(data, rollout_log_probs=rollout_log_probs))
         results.append((metrics, gather_full_state_dict(actor.model)))
     (fused, fused_weights), (separate, separate_weights) = results
@@ -491,8 +491,8 @@ def test_gradient_checkpointing_and_offload_round_trip_do_not_change_training(ti
     checkpointed = new_actor(make_args(tiny_model_dir, "--lr", "1e-3", "--gradient-checkpointing", num_steps=2))
     assert checkpointed.model.model.layers[0].gradient_checkpointing
     for rollout_id in range(2):
-        checkpointed.sleep()  # what the driver does around generation with --offload-train
-        checkpointed.wake_up()
+        checkpointed.offload()  # what the driver does around generation with --offload-train
+        checkpointed.onload()
         expected, got = plain.train(rollout_id, data), checkpointed.train(rollout_id, data)
         for name, value in expected.items():
             if name not in timing:

@@ -17,7 +17,7 @@ from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
 from slime.backends.fsdp_utils.data_packing import pack_micro_batch
 from slime.backends.fsdp_utils.model import gather_full_state_dict, response_logits
-from slime.ray.train_actor import get_free_port
+from slime.backends.train_actor import get_free_port
 from slime.utils.arguments import parse_args
 
 

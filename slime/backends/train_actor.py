@@ -1,16 +1,47 @@
-"""Backend-neutral base of a training rank: process-group setup and the interface the driver calls.
+"""Backend-neutral training rank: the per-rollout recipe, written once, over a small backend interface.
 
-`RayTrainGroup` (slime/ray) creates one such actor per data-parallel rank. Backends (fsdp_utils,
-megatron_utils) subclass it and implement `init`, `train`, `save_model`, `update_weights`, `sleep`
-and `wake_up`. It lives beside the backends, not in slime/ray, because they build on it and the
-layers only import downward (slime.ray -> slime.backends -> slime.utils).
+`RayTrainGroup` (slime/ray) creates one actor per training rank and calls, on every rank at once:
+
+    start_rollout_id = init(args, role, with_ref)        role "actor" or "critic"; with_ref keeps the
+                                                         reference weights for KL terms
+    connect_rollout_engines(engines, engine_urls)        actor only, before the first update
+    update_weights()                                     actor only; after init and after each train
+    check_weights_equal() -> dict                        actor only, optional (--check-weight-update-equal
+                                                         also runs it after the first update)
+    per rollout:
+      PPO: values = critic.compute_values(rollout_data)  per rank: list of per-sample value lists
+           actor.train(rollout_id, rollout_data, values_refs=[every rank's compute_values ref])
+           critic.train(rollout_id, rollout_data)        may run concurrently with the actor
+      else: actor.train(rollout_id, rollout_data)
+      save_model(rollout_id)                             at --save-interval
+      offload() / onload()                               around generation with --offload-train
+
+`rollout_data` is this rank's shard from `split_train_data_by_dp` (or a Ray ObjectRef to it). `train`
+returns the rollout's metrics, identical on every rank: the actor's named `train/<name>`, the critic's
+plain `<name>` (the driver prefixes them).
+
+`train` follows Megatron's `train_actor` order: reference log-probs (the reference weights are copied
+into the one model and back: no second model), old log-probs with the current weights (the engines'
+with `--use-rollout-logprobs`; the generating weights with `--keep-old-actor`), advantages and returns
+(slime.algorithms), the `--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps over the
+same packed micro-batches. The critic takes its values from its own `compute_values` of the shard and
+computes returns by GAE with a zero reward-side KL.
+
+A backend (fsdp_utils, megatron_utils) subclasses `TrainRayActor` and supplies what differs: `_build`
+(model, optimizer, loading), `_micro_batches`, `_forward_log_probs` / `_forward_values`, `_step_gradients`
+and `_optimizer_step` (one optimizer step), `_snapshot_weights` / `_load_weights`, `_hf_weight_buckets`,
+`_probe_micro_batches`, `_save_checkpoint` / `_save_hf`, `offload` / `onload`, and `loss_functions`. It
+lives beside the backends, not in slime/ray, because they build on it and layers only import downward.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +49,22 @@ import ray
 import torch
 import torch.distributed as dist
 
+from slime.algorithms.advantages import compute_advantages_and_returns
+from slime.algorithms.aggregation import StepNormalizer, count_step_samples_and_tokens
+from slime.algorithms.losses import value_loss
+from slime.algorithms.policy_losses import loss_kind
+from slime.utils.misc import load_function, release_free_host_memory
+from slime.utils.weight_sync import (
+    EngineLinks,
+    check_engines_match,
+    connect_engines,
+    probe_tokens,
+    update_engine_weights,
+)
+
 logger = logging.getLogger(__name__)
+
+Weights = dict[str, torch.Tensor]
 
 
 def get_free_port(host: str = "127.0.0.1") -> int:
@@ -37,6 +83,9 @@ class TrainRayActor:
         master_addr: Rendezvous host of rank 0 (None on rank 0 itself: it picks one and reports it).
         master_port: Rendezvous port of rank 0.
     """
+
+    # The backend's loss functions by `loss_kind` ("policy", "sft", "custom"); the critic uses `value_loss`.
+    loss_functions: dict[str, Callable] = {}
 
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size
@@ -78,6 +127,65 @@ class TrainRayActor:
                 timeout=timedelta(minutes=args.distributed_timeout_minutes),
             )
 
+    # ---- setup ---------------------------------------------------------------------------------
+    def init(self, args, role: str, with_ref: bool = False) -> int:
+        """Build model and optimizer (loading `--load` if set); return the rollout id to start from.
+
+        Args:
+            args: Parsed slime arguments.
+            role: "actor", or "critic" (PPO's value model).
+            with_ref: Keep the reference weights for `--use-kl-loss` / `--kl-coef` (actor only).
+
+        Returns:
+            The checkpoint's rollout id + 1 when resuming from `--load`, else 0.
+        """
+        if role not in ("actor", "critic"):
+            raise ValueError(f"unknown role {role!r}; use 'actor' or 'critic'")
+        with_ref = with_ref and role == "actor"
+        if role == "actor" and (args.use_kl_loss or args.kl_coef != 0) and not with_ref:
+            raise ValueError("--use-kl-loss / --kl-coef need reference log-probs: init the actor with with_ref=True")
+        self.args, self.role = args, role
+        self.metric_prefix = "train/" if role == "actor" else ""
+        self.ref_weights: Weights | None = None  # set by `_build` when with_ref
+        self.actor_backup: Weights | None = None
+        self.engine_links: EngineLinks | None = None
+        self.weight_version = 0
+        # --keep-old-actor: weight version pushed to the engines -> CPU copy of this rank's weights then
+        self.pushed_weights: dict[int, Weights] = {}
+        self.init_process_group(args)
+        return self._build(args, with_ref)
+
+    def _checkpoint_root(self, folder: str | None) -> str | None:
+        """Where this role's checkpoints live under `--save` / `--load` (the critic uses a subfolder)."""
+        if not folder:
+            return None
+        return folder if self.role == "actor" else os.path.join(folder, "critic")
+
+    # ---- data ----------------------------------------------------------------------------------
+    def _prepare(self, rollout_data: Any) -> dict:
+        """This rank's shard as a dict with per-sample float tensors for the per-token fields."""
+        if isinstance(rollout_data, ray.ObjectRef):
+            rollout_data = ray.get(rollout_data)
+        data = dict(rollout_data)
+        data["loss_masks"] = [torch.as_tensor(mask, dtype=torch.float32) for mask in data["loss_masks"]]
+        if data.get("rollout_log_probs") is not None:
+            data["rollout_log_probs"] = [torch.as_tensor(lp, dtype=torch.float32) for lp in data["rollout_log_probs"]]
+        data["total_lengths"] = [len(tokens) for tokens in data["tokens"]]
+        data.setdefault("num_steps", self.args.num_steps_per_rollout)
+        return data
+
+    def _batch_inputs(self, micro_batch: Any, data: dict) -> dict:
+        """The micro-batch's slice of every per-sample field of `data`, tensors on the training device."""
+        num_samples = len(data["tokens"])
+        batch = {}
+        for key, values in data.items():
+            if isinstance(values, list) and len(values) == num_samples:
+                picked = [values[i] for i in micro_batch.sample_indices]
+                batch[key] = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in picked]
+        batch["target_tokens"] = micro_batch.target_tokens
+        batch["response_lengths"] = micro_batch.response_lengths
+        return batch
+
     def _values_for_this_rank(self, values: Any) -> list[torch.Tensor]:
         """The critic's values for this rank's shard: given as every rank's ObjectRefs, one ref, or the values."""
         if isinstance(values, list) and values and isinstance(values[0], ray.ObjectRef):
@@ -86,7 +194,83 @@ class TrainRayActor:
             values = ray.get(values)
         return [torch.as_tensor(v, dtype=torch.float32) for v in values]
 
-    # ---- per-rollout steps both backends share ------------------------------------------
+    # ---- the per-rollout recipe ----------------------------------------------------------------
+    def compute_values(self, rollout_data: Any) -> list[list[float]]:
+        """Critic: the value of every response token of this rank's samples (the actor's GAE input for PPO).
+
+        The values are kept for this rollout's `train`, which needs the same ones as its "old" values.
+
+        Args:
+            rollout_data: This rank's shard (dict or ObjectRef).
+
+        Returns:
+            One list of floats per sample, in shard order (equal on every rank of a model-parallel group).
+        """
+        if self.role != "critic":
+            raise RuntimeError("compute_values is the critic's: init this rank with role 'critic'")
+        data = self._prepare(rollout_data)
+        values = self._forward_values(self._micro_batches(data), len(data["tokens"]))
+        self._remember_values(data, values)
+        return [value.tolist() for value in values]
+
+    def train(self, rollout_id: int, rollout_data: Any, values_refs: Any = None) -> dict[str, float]:
+        """Train on this rank's shard of one rollout.
+
+        Args:
+            rollout_id: The rollout's id (passed to hooks and logs).
+            rollout_data: This rank's shard (dict or ObjectRef).
+            values_refs: Actor under PPO: the critic's values, as the list of every rank's `compute_values`
+                ObjectRefs (this rank's entry is used) or as this rank's values themselves.
+
+        Returns:
+            Metrics averaged over the rollout's optimizer steps, identical on every rank.
+        """
+        data = self._prepare(rollout_data)
+        steps = self._micro_batches(data)
+        num_samples = len(data["tokens"])
+        train_log_probs = None  # the trainer's log-probs of the rollout, compared with the engines'
+        fuse_old_log_probs = self._can_fuse_old_log_probs(data)
+        if self.role == "critic":
+            data["values"] = self._take_remembered_values(data)
+            if data["values"] is None:
+                data["values"] = self._forward_values(steps, num_samples)
+        else:
+            self._check_rollout_log_probs(data)
+            if self.ref_weights is not None:
+                data["ref_log_probs"] = self._log_probs_with(self.ref_weights, steps, num_samples)
+            if self.args.use_rollout_logprobs:
+                data["log_probs"] = data["rollout_log_probs"]
+                if self.args.get_mismatch_metrics:  # the trainer's own log-probs, only to measure the gap
+                    train_log_probs = self._forward_log_probs(steps, num_samples)
+            elif fuse_old_log_probs:
+                data["log_probs"] = [None] * num_samples  # filled by the training forward
+            elif not self._old_log_probs_unused(has_reference=self.ref_weights is not None):
+                if self.args.keep_old_actor:  # the policy that generated the rollout, not the current weights
+                    data["log_probs"] = self._log_probs_with(self._behaviour_weights(data), steps, num_samples)
+                else:
+                    data["log_probs"] = self._forward_log_probs(steps, num_samples)
+            if values_refs is not None:
+                data["values"] = self._values_for_this_rank(values_refs)
+        if not self.args.disable_compute_advantages_and_returns:
+            compute_advantages_and_returns(self.args, data, self._data_parallel_group(), self._collective_device())
+        if self.args.rollout_data_postprocess_path:
+            load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
+
+        metrics = self._optimize(rollout_id, steps, data, fuse_old_log_probs)
+        if not self.args.use_rollout_logprobs:
+            train_log_probs = data.get("log_probs")
+        if self.role == "actor" and train_log_probs is not None and data.get("rollout_log_probs") is not None:
+            metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
+                self._logprob_abs_diff(train_log_probs, data["rollout_log_probs"], data["loss_masks"])
+            )
+            if self.args.get_mismatch_metrics:
+                metrics["train_rollout_kl"] = self._mismatch_kl(
+                    train_log_probs, data["rollout_log_probs"], data["loss_masks"]
+                )
+        self._end_of_rollout(rollout_id)
+        release_free_host_memory()  # the step's activations, or the trainer's resident size keeps growing
+        return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()}
+
     def _check_rollout_log_probs(self, data: dict) -> None:
         """Refuse `--use-rollout-logprobs` / `--use-tis` on data without the engines' log-probs."""
         if (self.args.use_rollout_logprobs or self.args.use_tis) and data.get("rollout_log_probs") is None:
@@ -100,6 +284,11 @@ class TrainRayActor:
         no KL term needs them either."""
         return self.args.loss_type == "sft_loss" and not has_reference
 
+    def _can_fuse_old_log_probs(self, data: dict) -> bool:
+        """Whether `_step_gradients` may fill `data["log_probs"]` from the training forward itself
+        (one forward pass less); a backend that can says when."""
+        return False
+
     def _remember_values(self, data: dict, values: list[torch.Tensor]) -> None:
         """Critic: keep `compute_values`' values for the `train` call on the same shard."""
         self.cached_values = (_shard_key(data), values)
@@ -109,31 +298,284 @@ class TrainRayActor:
         cached, self.cached_values = self.cached_values, None
         return cached[1] if cached is not None and cached[0] == _shard_key(data) else None
 
-    # ---- interface implemented by backends ----------------------------------------------
-    def init(self, args, role: str, with_ref: bool = False) -> int:
-        """Build model and optimizer (loading `--load` if set); return the rollout id to start from."""
-        raise NotImplementedError
+    def _log_probs_with(self, weights: Weights, steps: list, num_samples: int) -> list[torch.Tensor]:
+        """Log-probs of other weights (this rank's part, e.g. the reference): swapped into the model and back."""
+        self.actor_backup = self._snapshot_weights(into=self.actor_backup)
+        self._load_weights(weights)
+        try:
+            return self._forward_log_probs(steps, num_samples)
+        finally:
+            self._load_weights(self.actor_backup)
 
-    def train(self, rollout_id: int, rollout_data_ref: Any) -> dict[str, float]:
-        """Train on this rank's share of one rollout; return metrics (same on every rank)."""
-        raise NotImplementedError
+    def _behaviour_weights(self, data: dict) -> Weights:
+        """--keep-old-actor: this rank's copy of the weights the engines generated the rollout with.
 
+        Samples carry the weight version the engine reported (`weight_versions`); the newest version of the
+        rollout over all ranks is used. train_async.py trains on a rollout one weight push behind, so that
+        is the previous push there, the latest push in train.py.
+        """
+        versions = data.get("weight_versions")
+        if not versions or any(v in (None, "") for v in versions):
+            raise ValueError(
+                "--keep-old-actor needs the weight version each sample was generated with (the rollout data's "
+                "weight_versions, from Sample.weight_versions): the default generate records the engine's "
+                "meta_info weight_version; a custom generate function must append it too"
+            )
+        try:
+            newest = max(int(v) for v in versions)
+        except ValueError:
+            raise ValueError(
+                f"--keep-old-actor: weight versions {sorted(set(versions))} are not versions this trainer pushed"
+            ) from None
+        newest_tensor = torch.tensor([newest], dtype=torch.int64)
+        newest = int(self._all_reduce(newest_tensor, self._data_parallel_group(), dist.ReduceOp.MAX).item())
+        if newest not in self.pushed_weights:
+            raise RuntimeError(
+                f"--keep-old-actor: the rollout was generated with weight version {newest}, but the trainer keeps "
+                f"only versions {sorted(self.pushed_weights)} (the last two pushes)"
+            )
+        return self.pushed_weights[newest]
+
+    def _end_of_rollout(self, rollout_id: int) -> None:
+        """--ref-update-interval: the reference becomes the actor every N rollouts; --reset-optimizer-states."""
+        interval = self.args.ref_update_interval
+        if self.ref_weights is not None and interval and (rollout_id + 1) % interval == 0:
+            self.ref_weights = self._snapshot_weights(into=self.ref_weights)
+        if self.args.reset_optimizer_states:
+            self._reset_optimizer_states()
+
+    # ---- optimizer steps -----------------------------------------------------------------------
+    def _optimize(self, rollout_id: int, steps: list[list], data: dict, fill_old_log_probs: bool) -> dict[str, float]:
+        """Run one optimizer step per entry of `steps`; return metrics averaged over steps and reduced over ranks."""
+        normalizers = self._step_normalizers(steps, data)
+        loss_function = value_loss if self.role == "critic" else self.loss_functions[loss_kind(self.args.loss_type)]
+        hook = getattr(self.args, "custom_megatron_before_train_step_hook_path", None)
+        started = time.time()
+        step_sums: list[dict[str, float]] = []
+        grad_norms, lrs, skipped = [], [], 0
+        for step_id, (micro_batches, normalizer) in enumerate(zip(steps, normalizers, strict=True)):
+            if hook:
+                load_function(hook)(self.args, rollout_id, step_id, self.model, self.optimizer, self.lr_scheduler)
+            step_sums.append(self._step_gradients(micro_batches, data, loss_function, normalizer, fill_old_log_probs))
+            lrs.append(self.optimizer.param_groups[0]["lr"])
+            grad_norm = self._optimizer_step()
+            if math.isfinite(grad_norm):
+                grad_norms.append(grad_norm)
+            elif self._stop_on_non_finite_grad():
+                raise FloatingPointError(
+                    f"the gradient norm of optimizer step {step_id + 1} of this rollout is {grad_norm} (NaN or "
+                    "inf in the loss or gradients); pass --no-check-for-nan-in-loss-and-grad to skip such steps"
+                )
+            else:
+                skipped += 1
+                logger.warning("rank %d: grad norm is %s; skipping this optimizer step", self.rank, grad_norm)
+        elapsed = time.time() - started
+
+        metrics = self._mean_over_steps(step_sums)
+        local_tokens = torch.tensor([float(sum(data["total_lengths"]))], dtype=torch.float64)
+        tokens = self._all_reduce(local_tokens, self._data_parallel_group()).item()
+        metrics |= {
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "lr": sum(lrs) / len(lrs),
+            "skipped_steps": float(skipped),
+            "step_time": elapsed / len(steps),
+            "tokens_per_s": tokens / max(elapsed, 1e-9),
+        }
+        return metrics
+
+    def _step_normalizers(self, steps: list[list], data: dict) -> list[StepNormalizer]:
+        """Sample and trainable-token counts of each step over the data-parallel group (one all-reduce)."""
+        # Zero-weight micro-batches (FSDP) are padding copies that keep forward counts equal: not counted.
+        step_indices = [
+            [i for mb in micro_batches if getattr(mb, "weight", 1.0) for i in mb.sample_indices]
+            for micro_batches in steps
+        ]
+        counts = count_step_samples_and_tokens(step_indices, data["loss_masks"])
+        counts = self._all_reduce(counts, self._data_parallel_group())
+        return [StepNormalizer.from_args(self.args, samples, tokens) for samples, tokens in counts.tolist()]
+
+    def _mean_over_steps(self, step_sums: list[dict[str, float]]) -> dict[str, float]:
+        """Each loss metric summed over all ranks, averaged over the steps. Ranks may report different
+        names (Megatron: only metric-reporting ranks have any), so the names are gathered first."""
+        names = sorted({name for sums in step_sums for name in sums})
+        every_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, names)
+        names = sorted({name for rank_names in every_rank for name in rank_names})
+        if not names:
+            return {}
+        totals = torch.tensor([[sums.get(name, 0.0) for name in names] for sums in step_sums], dtype=torch.float64)
+        return dict(zip(names, self._all_reduce(totals).mean(dim=0).tolist(), strict=True))
+
+    def _stop_on_non_finite_grad(self) -> bool:
+        """A non-finite gradient norm stops the run unless --no-check-for-nan-in-loss-and-grad."""
+        return getattr(self.args, "check_for_nan_in_loss_and_grad", True)
+
+    # ---- collectives and log-prob gap metrics --------------------------------------------------
+    def _data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's data-parallel peers (None: all ranks)."""
+        return None
+
+    def _collective_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: dist.ReduceOp = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Reduce over `group` (default: all ranks), via the training device under NCCL; returns a CPU tensor."""
+        reduced = tensor.to(self._collective_device())
+        dist.all_reduce(reduced, op=op, group=group)
+        return reduced.cpu()
+
+    def _logprob_abs_diff(
+        self, a: list[torch.Tensor], b: list[torch.Tensor], masks: list[torch.Tensor]
+    ) -> tuple[float, float]:
+        """Mean and max of |a - b| over trainable tokens of the data-parallel group (trainer vs engine)."""
+        totals = torch.zeros(2, dtype=torch.float64)
+        largest = torch.zeros(1, dtype=torch.float64)
+        for x, y, mask in zip(a, b, masks, strict=True):
+            diff = (torch.as_tensor(x, dtype=torch.float64) - torch.as_tensor(y, dtype=torch.float64)).abs() * mask
+            totals[0] += float(diff.sum())
+            totals[1] += float(mask.sum())
+            if diff.numel():
+                largest = torch.maximum(largest, diff.max().reshape(1))
+        group = self._data_parallel_group()
+        totals = self._all_reduce(totals, group)
+        largest = self._all_reduce(largest, group, dist.ReduceOp.MAX)
+        return float(totals[0] / totals[1].clamp_min(1)), float(largest)
+
+    def _mismatch_kl(self, train: list[torch.Tensor], rollout: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
+        """KL(engine policy || trainer policy) over trainable tokens of the data-parallel group (k3 estimate
+        on the engines' samples: r - 1 - log r with r = p_train / p_rollout)."""
+        totals = torch.zeros(2, dtype=torch.float64)
+        for x, y, mask in zip(train, rollout, masks, strict=True):
+            log_ratio = torch.as_tensor(x, dtype=torch.float64) - torch.as_tensor(y, dtype=torch.float64)
+            totals[0] += float(((log_ratio.exp() - 1 - log_ratio) * mask).sum())
+            totals[1] += float(mask.sum())
+        totals = self._all_reduce(totals, self._data_parallel_group())
+        return float(totals[0] / totals[1].clamp_min(1))
+
+    # ---- checkpoints ---------------------------------------------------------------------------
     def save_model(self, rollout_id: int, update_tracker: bool = True) -> None:
-        """Write this role's part of checkpoint `rollout_id`; `update_tracker=False` leaves the tracker to the driver."""
-        raise NotImplementedError
+        """Checkpoint this role to `--save` (resumable; the critic's to `<save>/critic`) and, for the actor,
+        export `--save-hf` (HF folder). `update_tracker=False`: the driver names the step in the tracker
+        once every part of it is written."""
+        root = self._checkpoint_root(self.args.save)
+        if root:
+            self._save_checkpoint(root, rollout_id, update_tracker)
+        if self.role == "actor" and getattr(self.args, "save_hf", None):
+            self._save_hf(self.args.save_hf.format(rollout_id=rollout_id))
 
+    # ---- weight sync ---------------------------------------------------------------------------
     def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
-        """Remember the engines to push weights to (and set up a broadcast group when disaggregated)."""
-        raise NotImplementedError
+        """Remember the engines; colocated: form span subgroups, disaggregated: rank 0 forms the broadcast group.
+
+        Args:
+            engines: Engine handles (RolloutEngine Ray actors, or clients with the same methods).
+            engine_urls: Their base URLs (used to pick the address engines reach this rank at).
+        """
+        self.engine_links = connect_engines(self.args, engines, engine_urls, self.rank, dist.get_world_size())
 
     def update_weights(self) -> None:
+        """Push the current weights to every engine (paused meanwhile) under the next weight version."""
+        if self.role != "actor":
+            raise RuntimeError("only the actor syncs weights to the engines; the critic's value head is not an LM")
+        if self.engine_links is None or not self.engine_links.engines:
+            raise RuntimeError("update_weights before connect_rollout_engines: the actor has no engines to update")
+        dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else None
+        update_engine_weights(
+            self.engine_links, self._hf_weight_buckets(dtype), self.rank, str(self.weight_version + 1)
+        )
+        self.weight_version += 1
+        if self.args.keep_old_actor:
+            # The two newest pushes: a rollout is generated at most one push behind the trainer.
+            reuse = self.pushed_weights.pop(min(self.pushed_weights)) if len(self.pushed_weights) >= 2 else None
+            self.pushed_weights[self.weight_version] = self._snapshot_weights(into=reuse)
+        if self.args.check_weight_update_equal and self.weight_version == 1:
+            self.check_weights_equal()
+
+    def check_weights_equal(self) -> dict[str, float]:
+        """Compare each engine's log-probs of a probe sequence with this trainer's (every rank must call).
+
+        Equality is checked through the model's output, since the CPU engine exposes no weights: the
+        log-probs of a fixed probe sequence at temperature 1.
+
+        Returns:
+            {"max_abs_diff": largest gap over engines and tokens} (rank 0; 0.0 elsewhere).
+
+        Raises:
+            RuntimeError: on rank 0 when the gap exceeds `weight_sync.WEIGHT_CHECK_TOLERANCE`.
+        """
+        probe = probe_tokens(self.vocab_size)
+        trainer = self._forward_log_probs(self._probe_micro_batches(probe), 1, temperature=1.0)[0]
+        if self.rank != 0:
+            return {"max_abs_diff": 0.0}
+        engines = self.engine_links.engines if self.engine_links else []
+        gap = check_engines_match(engines, probe, trainer, self.weight_version)
+        logger.info("weight check passed: max probe log-prob gap %.3g", gap)
+        return {"max_abs_diff": gap}
+
+    # ---- implemented by backends ---------------------------------------------------------------
+    def _build(self, args, with_ref: bool) -> int:
+        """Build model, optimizer and LR scheduler (`self.model`, `self.optimizer`, `self.lr_scheduler`,
+        `self.device`, `self.dp_size`, `self.vocab_size`; `self.ref_weights` when `with_ref`), load weights
+        and `--load`; return the rollout id to start from."""
         raise NotImplementedError
 
-    def sleep(self) -> None:
-        """Free training memory (colocate offload)."""
+    def _micro_batches(self, data: dict) -> list[list]:
+        """The shard's packed micro-batches, one list per optimizer step (`data["num_steps"]` of them)."""
         raise NotImplementedError
 
-    def wake_up(self) -> None:
+    def _forward_log_probs(self, steps: list[list], num_samples: int, temperature: float | None = None) -> list:
+        """Per-sample response log-probs on CPU, no gradient (at the rollout temperature unless given)."""
+        raise NotImplementedError
+
+    def _forward_values(self, steps: list[list], num_samples: int) -> list:
+        """Critic: per-sample values of the response tokens on CPU, no gradient."""
+        raise NotImplementedError
+
+    def _step_gradients(
+        self, micro_batches: list, data: dict, loss_function: Callable, normalizer: StepNormalizer, fill: bool
+    ) -> dict[str, float]:
+        """Forward and backward over one step's micro-batches; return this rank's summed loss metrics.
+        `fill` (only when `_can_fuse_old_log_probs`): store the forward's detached log-probs in data["log_probs"]."""
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> float:
+        """Clip and step the optimizer and LR scheduler unless the gradient norm is not finite; clear the
+        gradients; return the norm."""
+        raise NotImplementedError
+
+    def _reset_optimizer_states(self) -> None:
+        raise NotImplementedError("--reset-optimizer-states is not implemented by this backend")
+
+    def _snapshot_weights(self, into: Weights | None = None) -> Weights:
+        """CPU copies of this rank's weights (reusing the tensors of `into`)."""
+        raise NotImplementedError
+
+    def _load_weights(self, weights: Weights) -> None:
+        """Copy a `_snapshot_weights` result back into the model."""
+        raise NotImplementedError
+
+    def _hf_weight_buckets(self, dtype: torch.dtype | None) -> list:
+        """The model's weights under HF names in buckets of `--update-weight-buffer-size` (a collective)."""
+        raise NotImplementedError
+
+    def _probe_micro_batches(self, probe: list[int]) -> list[list]:
+        """One step of one micro-batch holding the probe sequence (all but its first token scored)."""
+        raise NotImplementedError
+
+    def _save_checkpoint(self, root: str, rollout_id: int, update_tracker: bool) -> None:
+        raise NotImplementedError
+
+    def _save_hf(self, path: str) -> None:
+        raise NotImplementedError
+
+    def offload(self) -> None:
+        """Free training memory while the engines generate (`--offload-train`)."""
+        raise NotImplementedError
+
+    def onload(self) -> None:
+        """Undo `offload`."""
         raise NotImplementedError
 
 

@@ -185,10 +185,10 @@ class RayTrainGroup:
         return float(results[0]["max_abs_diff"])
 
     def offload(self) -> None:
-        ray.get([actor.sleep.remote() for actor in self.actors])
+        ray.get([actor.offload.remote() for actor in self.actors])
 
     def onload(self) -> None:
-        ray.get([actor.wake_up.remote() for actor in self.actors])
+        ray.get([actor.onload.remote() for actor in self.actors])
 
     def dispose(self) -> None:
         for actor in self.actors:
