@@ -96,6 +96,32 @@ def test_eval_reports_each_named_set(manager):
     assert metrics["eval/held_out"] == 0.0  # labels are "0": no sum here is 0
 
 
+# Before any test that kills one of the shared engines.
+def test_eval_config_gives_each_dataset_its_own_settings(manager, data_files, tmp_path):
+    _, held_out = data_files
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        f"eval:\n  datasets:\n"
+        f"    - {{name: one, path: {held_out}, n_samples_per_eval_prompt: 1, max_response_len: 2}}\n"
+        f"    - {{name: three, path: {held_out}, n_samples_per_eval_prompt: 3, metadata_overrides: {{tag: x}}}}\n"
+    )
+
+    def run_eval(self):
+        self.args.eval_config = str(config)
+        try:
+            output = self.eval_fn(self.args, 0, self.data_source, evaluation=True)
+            return {
+                name: [(s.response_length, s.metadata.get("tag")) for s in r["samples"]]
+                for name, r in output.data.items()
+            }
+        finally:
+            self.args.eval_config = None
+
+    samples = ray.get(manager.__ray_call__.remote(run_eval))
+    assert len(samples["one"]) == 3 and all(length <= 2 and tag is None for length, tag in samples["one"])
+    assert len(samples["three"]) == 9 and all(tag == "x" for _, tag in samples["three"])
+
+
 def test_saved_rollout_can_be_read_back(manager, tmp_path):
     path = str(tmp_path / "rollout_{rollout_id}.pt")
     ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", path)))
@@ -249,28 +275,3 @@ def test_unused_groups_go_back_fresh_or_partial():
         assert [s.response_length for s in returned] == expected_lengths
         assert all(s.status == Status.PENDING and s.reward is None for s in returned)
         assert returned[1].tokens == [] and returned[1].prompt == "p"
-
-
-def test_eval_config_gives_each_dataset_its_own_settings(manager, data_files, tmp_path):
-    _, held_out = data_files
-    config = tmp_path / "eval.yaml"
-    config.write_text(
-        f"eval:\n  datasets:\n"
-        f"    - {{name: one, path: {held_out}, n_samples_per_eval_prompt: 1, max_response_len: 2}}\n"
-        f"    - {{name: three, path: {held_out}, n_samples_per_eval_prompt: 3, metadata_overrides: {{tag: x}}}}\n"
-    )
-
-    def run_eval(self):
-        self.args.eval_config = str(config)
-        try:
-            output = self.eval_fn(self.args, 0, self.data_source, evaluation=True)
-            return {
-                name: [(s.response_length, s.metadata.get("tag")) for s in r["samples"]]
-                for name, r in output.data.items()
-            }
-        finally:
-            self.args.eval_config = None
-
-    samples = ray.get(manager.__ray_call__.remote(run_eval))
-    assert len(samples["one"]) == 3 and all(length <= 2 and tag is None for length, tag in samples["one"])
-    assert len(samples["three"]) == 9 and all(tag == "x" for _, tag in samples["three"])

@@ -25,8 +25,8 @@ class EngineHealthMonitor:
 
     Args:
         engine_clients: Called before each round; a client of every engine (index = engine rank).
-        on_failure: `on_failure(index, reason)`, called in the monitor thread; the engine is skipped
-            while it runs.
+        on_failure: `on_failure(index, reason, probe_started)`, called in the probing thread;
+            `probe_started` (time.monotonic()) lets it ignore a probe that began before a restart ended.
         interval: Seconds between rounds.
         timeout: Seconds one probe may take.
         first_wait: Seconds before the first round.
@@ -35,7 +35,7 @@ class EngineHealthMonitor:
     def __init__(
         self,
         engine_clients: Callable[[], list[EngineClient]],
-        on_failure: Callable[[int, str], None],
+        on_failure: Callable[[int, str, float], None],
         interval: float,
         timeout: float,
         first_wait: float = 0.0,
@@ -64,6 +64,10 @@ class EngineHealthMonitor:
     def resume(self) -> None:
         self._paused.clear()
 
+    def probe_now(self) -> None:
+        """One round of probes in the caller's thread (failed engines go to `on_failure` before it returns)."""
+        self._probe_all()
+
     def _run(self) -> None:
         if self._stop.wait(self.first_wait):
             return
@@ -77,11 +81,12 @@ class EngineHealthMonitor:
         for index, client in enumerate(self.engine_clients()):
             if self._stop.is_set() or self._paused.is_set():
                 return
+            probe_started = time.monotonic()
             if client.health_generate(timeout=self.timeout) or self._paused.is_set():
                 continue
             reason = f"no 200 from /health_generate within {self.timeout:g} s"
             logger.warning("engine %d at %s failed its health check: %s", index, client.base_url, reason)
             try:
-                self.on_failure(index, reason)
+                self.on_failure(index, reason, probe_started)
             except Exception:
                 logger.exception("recovering engine %d at %s failed", index, client.base_url)

@@ -238,6 +238,7 @@ class RolloutManager:
         self.num_engine_restarts = 0
         self._recovering: set[int] = set()
         self._awaiting_weights: set[int] = set()
+        self._restarted_at: dict[int, float] = {}
         self._recovery_changed = threading.Condition()
         if not args.debug_train_only:
             self._start_engines(rollout_slice)
@@ -301,13 +302,17 @@ class RolloutManager:
         return EngineClient(url, api_key=engine_api_key(self.args))
 
     # ---- fault tolerance -----------------------------------------------------------------
-    def _recover_engine(self, index: int, reason: str) -> None:
+    def _recover_engine(self, index: int, reason: str, probe_started: float = float("inf")) -> None:
         """Take a failed engine out of the router and restart it on its own bundle (monitor thread).
 
         The restarted engine still serves the checkpoint's weights, so it only goes back into the
         router in `readmit_engines`, after the trainer has pushed the current weights to it.
         """
         with self._recovery_changed:
+            # The monitor thread and probe_now may both report one failure; a probe older than the last
+            # restart of this engine says nothing about the restarted one.
+            if index in self._recovering or probe_started < self._restarted_at.get(index, float("-inf")):
+                return
             self._recovering.add(index)
         url = self.engine_urls[index]
         try:
@@ -326,6 +331,7 @@ class RolloutManager:
             with self._recovery_changed:
                 self._awaiting_weights.add(index)
                 self.num_engine_restarts += 1
+                self._restarted_at[index] = time.monotonic()
             logger.warning(
                 "engine %d restarted at %s; it rejoins the router after the next weight push", index, new_url
             )
@@ -388,7 +394,9 @@ class RolloutManager:
                 raise RuntimeError(f"{problem} (the rollout failed with {type(e).__name__}: {e})") from e
             raise
         if self.monitor is not None:
-            # Let restarts finish, so offloading and the next weight push see every engine.
+            # An engine may have died after the monitor's last round (the rollout finished on the others):
+            # probe now, then let restarts finish, so offloading and the next weight push see every engine.
+            self.monitor.probe_now()
             self.engines_awaiting_weights()
             return output
         # The router may have retried a dead engine's requests elsewhere; the run still cannot go on without it

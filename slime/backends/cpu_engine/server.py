@@ -22,6 +22,7 @@ Endpoints (request/response shapes follow SGLang):
     POST /destroy_weights_update_group   {"group_name"}
     POST /update_weights_from_disk       {"model_path", "load_format"?, "weight_version"?}
     POST /release_memory_occupation, /resume_memory_occupation  {"tags"?}
+    POST /v1/chat/completions, /v1/completions; GET /v1/models   OpenAI-compatible (see openai_api.py).
 
 Errors: /generate answers {"error": {"message"}}; control endpoints answer {"success": false, "message"}.
 Weight updates without an explicit `weight_version` bump it ("default" -> "1" -> "2" ...).
@@ -60,7 +61,7 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from slime.backends.cpu_engine import weights
+from slime.backends.cpu_engine import openai_api, weights
 from slime.backends.cpu_engine.engine import CpuEngine
 from slime.backends.cpu_engine.protocol import (
     GenerationRequest,
@@ -212,6 +213,9 @@ def create_app(engine: CpuEngine, args: ServerArgs) -> web.Application:
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/release_memory_occupation", release_memory_occupation)
     app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
+    # OpenAI-compatible /v1 routes, on the same queue and behind the same API key.
+    read_body = functools.partial(_json_body, limit=GENERATE_MAX_BODY_BYTES)
+    openai_api.add_routes(app, engine, _run_requests, read_body, args.max_queued_requests)
 
     async def abort_all(app: web.Application) -> None:
         # Open /generate calls and group joins return now instead of holding the shutdown until they end.
