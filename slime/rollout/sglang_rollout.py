@@ -30,7 +30,7 @@ from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.async_utils import run
 from slime.utils.data import Dataset, load_dataset
 from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
-from slime.utils.http_utils import HTTPRequestError, async_post_json
+from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
 from slime.utils.misc import load_function, maybe_await
 from slime.utils.types import Sample, Status
 
@@ -247,8 +247,7 @@ async def generate_and_rm_group(
 
 async def abort_engines(args) -> None:
     """Ask every engine to abort all its requests (the router does not forward /abort_request)."""
-    api_key = engine_api_key(args)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    headers = bearer_headers(engine_api_key(args))
     for url in getattr(args, "rollout_engine_urls", []):
         try:
             await async_post_json(f"{url}/abort_request", {"abort_all": True}, max_retries=0, headers=headers)

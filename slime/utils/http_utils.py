@@ -65,6 +65,11 @@ class HTTPRequestError(RuntimeError):
         super().__init__(f"{method} {url} returned HTTP {status}: {self.body}")
 
 
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """The `Authorization` header an engine started with `--api-key` requires (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def find_free_port(host: str = "127.0.0.1", exclude: set[int] | frozenset[int] = frozenset()) -> int:
     """Return a port on `host` that nothing is bound to right now and this process has not handed out before.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime.utils.http_utils import HTTPRequestError, get_json, post_json
+from slime.utils.http_utils import HTTPRequestError, bearer_headers, get_json, post_json
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
@@ -29,7 +29,7 @@ class EngineClient:
     def __init__(self, base_url: str, timeout: float | None = 600.0, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = bearer_headers(api_key)
 
     def __repr__(self) -> str:  # never print the key
         return f"{type(self).__name__}({self.base_url!r})"
