@@ -374,14 +374,16 @@ class RolloutManager:
         return self.args.num_rollout, per_epoch
 
     def dead_engines(self) -> list[int]:
-        """Indices of engines whose server process is no longer alive."""
+        """Indices of engines whose server process has exited or no longer answers GET /health."""
         dead = []
         for index, engine in enumerate(self.engines):
             try:
                 alive = ray.get(engine.is_alive.remote(), timeout=30)
             except Exception:  # the actor itself is gone
                 alive = False
-            if not alive:
+            # The process check alone can lag a SIGKILL (or watch a launcher whose server child died); an
+            # engine that cannot answer /health would fail the next weight push, so it counts as dead too.
+            if not alive or not self._engine_client(self.engine_urls[index]).health(timeout=10):
                 dead.append(index)
         return dead
 
