@@ -9,6 +9,9 @@ Scheduling: at each step boundary the worker admits pending requests while the b
 room (`max_running_requests`, and at most `max_prefill_tokens` padded prompt tokens per
 prefill), prefills them together and merges them into the running batch, then runs one
 decode step for all rows. Finished rows leave the batch right away.
+
+A request submitted with a `TokenWatch` is reported token by token (streaming, top log-probs);
+requests without one cost nothing extra.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +38,31 @@ from slime.backends.cpu_engine.sampling import sample_next_tokens
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# The most top log-probs one token may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenWatch:
+    """A hook into the decode loop for the requests it was submitted with.
+
+    Args:
+        on_token: Called on the worker thread right after each sampled token is appended to
+            `request.output_ids` / `request.output_logprobs`, as `on_token(request, top_logprobs, last)`:
+            `top_logprobs` holds the `top_logprobs` most likely `(token_id, log_prob)` pairs, most likely
+            first, by the same convention as the sampled token's log-prob (`log_softmax(raw_logits /
+            temperature)`, see `sampling.py`), empty when `top_logprobs` is 0; `last` is True for the
+            token that ends the request (its `on_finish` follows). It runs between two decode steps of the
+            whole batch: hand the data off (e.g. `loop.call_soon_threadsafe`) and return.
+        top_logprobs: How many most likely tokens to report per step, 0 to 20.
+    """
+
+    on_token: Callable[[GenerationRequest, list[tuple[int, float]], bool], None]
+    top_logprobs: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
 
 class CpuEngine:
@@ -93,6 +122,8 @@ class CpuEngine:
         self._cond = threading.Condition()
         self._pending: deque[GenerationRequest] = deque()
         self._active: dict[str, GenerationRequest] = {}
+        # Requests are hashed by identity (GenerationRequest has eq=False).
+        self._watches: dict[GenerationRequest, TokenWatch] = {}
         self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._paused = False
         self._stopping = False
@@ -111,8 +142,10 @@ class CpuEngine:
     def paused(self) -> bool:
         return self._paused
 
-    def submit(self, requests: list[GenerationRequest]) -> None:
+    def submit(self, requests: list[GenerationRequest], watch: TokenWatch | None = None) -> None:
         """Queue requests; each one's `on_finish` is called (on the worker thread) when it ends.
+
+        With `watch`, its `on_token` is called for every token of these requests as it is sampled.
 
         Raises:
             RequestError: 503 while the weights are released, 400 when a `rid` is already in flight.
@@ -133,6 +166,8 @@ class CpuEngine:
                 if request.params.sampling_seed is not None:
                     request.generator = torch.Generator().manual_seed(request.params.sampling_seed)
                 self._active[request.rid] = request
+                if watch is not None:
+                    self._watches[request] = watch
                 self._pending.append(request)
             self._cond.notify()
 
@@ -354,11 +389,18 @@ class CpuEngine:
             logits, [r.params for r in requests], [r.generator for r in requests], banned
         )
         batch.last_tokens = torch.tensor(tokens, dtype=torch.long)
+        watches = [self._watches.get(r) for r in requests] if self._watches else None
+        tops = _top_log_probs(logits, requests, watches) if watches else None
         alive = []
         for row, (request, token, log_prob) in enumerate(zip(requests, tokens, log_probs)):
             request.output_ids.append(token)
             request.output_logprobs.append(log_prob)
             reason = self._finish_reason(request)
+            if watches and watches[row] is not None:
+                try:
+                    watches[row].on_token(request, tops[row], reason is not None)
+                except Exception:
+                    logger.exception("on_token of request %s failed", request.rid)
             if reason is None:
                 alive.append(row)
             else:
@@ -407,6 +449,7 @@ class CpuEngine:
     def _finish(self, request: GenerationRequest, reason: dict[str, Any]) -> None:
         with self._cond:
             self._active.pop(request.rid, None)
+            self._watches.pop(request, None)
         request.finish_reason = reason
         request.weight_version = self.weight_version
         request.finish_time = time.time()
@@ -467,6 +510,30 @@ class CpuEngine:
         with self._cond:
             self._released_layout = None
             self._cond.notify()
+
+
+def _top_log_probs(
+    logits: torch.Tensor, requests: list[GenerationRequest], watches: list[TokenWatch | None]
+) -> list[list[tuple[int, float]]]:
+    """Per row, the `top_logprobs` most likely (token id, log-prob) pairs its watch asks for ([] otherwise).
+
+    The same arithmetic as `sample_next_tokens` (fp32 raw logits / temperature, 1 when greedy, log-softmax),
+    so a sampled token's reported log-prob and its entry here agree exactly.
+    """
+    rows = [row for row, watch in enumerate(watches) if watch is not None and watch.top_logprobs > 0]
+    tops: list[list[tuple[int, float]]] = [[] for _ in requests]
+    if not rows:
+        return tops
+    temperatures = torch.tensor(
+        [requests[r].params.temperature if not requests[r].params.greedy else 1.0 for r in rows]
+    )
+    log_probs = (logits[rows].float() / temperatures.unsqueeze(-1)).log_softmax(dim=-1)
+    k = min(max(watches[r].top_logprobs for r in rows), log_probs.shape[-1])
+    values, ids = log_probs.topk(k, dim=-1)
+    for i, row in enumerate(rows):
+        count = watches[row].top_logprobs
+        tops[row] = list(zip(ids[i, :count].tolist(), values[i, :count].tolist()))
+    return tops
 
 
 def _abort_reason(message: str = "aborted") -> dict[str, Any]:

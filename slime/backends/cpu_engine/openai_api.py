@@ -1,35 +1,49 @@
 """OpenAI-compatible routes on the CPU engine: /v1/chat/completions, /v1/completions, /v1/models.
 
 Each request is translated into the same body /generate takes and parsed by `parse_generate_request`,
-so validation, context-length checks and stop handling are the native ones. Tool calls in the
+so validation, context-length checks and stop handling are the native ones. SGLang's extra fields
+(`top_k`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`),
+which sglang-router forwards, are honoured as SGLang's OpenAI server does. Tool calls in the
 Hermes / Qwen `<tool_call>` format become `tool_calls` (see `slime.utils.tool_calls`).
 
-`stream: true` answers server-sent events, sent once generation has finished (the engine reports
-tokens only at the end): clients that stream work unchanged, they just see all tokens at once.
-Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+`stream: true` answers server-sent events token by token, fed from the engine's decode loop through
+a `TokenWatch`: a choice's text goes out as soon as it can no longer change (an incomplete UTF-8
+character, or a tail that may grow into a stop string or a `<tool_call>`, waits for the next token),
+and the concatenated deltas equal the non-streamed text. A client that disconnects aborts its requests.
+Log-probs (`logprobs` / `top_logprobs` for chat, `logprobs: k` for completions, k <= 20) follow the
+engine's convention: `log_softmax(raw_logits / temperature)` over the full vocabulary.
+Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; an error after the
+stream started comes as an SSE event `{"error": ...}`, which the openai client raises.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from slime.backends.cpu_engine.engine import CpuEngine
+from slime.backends.cpu_engine.engine import MAX_TOP_LOGPROBS, CpuEngine, TokenWatch
 from slime.backends.cpu_engine.protocol import (
     GenerationRequest,
     RequestError,
     build_generate_response,
     parse_generate_request,
+    parse_sampling_params,
 )
-from slime.utils.tool_calls import parse_tool_calls
+from slime.utils.tool_calls import TOOL_CALL_START, parse_tool_calls
 
-RunRequests = Callable[[CpuEngine, list[GenerationRequest]], Awaitable[list[GenerationRequest]]]
+logger = logging.getLogger(__name__)
+
+RunRequests = Callable[[CpuEngine, list[GenerationRequest], TokenWatch | None], Awaitable[list[GenerationRequest]]]
 ReadBody = Callable[[web.Request], Awaitable[dict[str, Any]]]
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -43,6 +57,21 @@ _UNSUPPORTED = {
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
+    "continue_final_message": (False,),
+    "return_hidden_states": (False,),
+}
+# SGLang's own request fields (sglang-router forwards them, filling in defaults) -> `sampling_params` names.
+_SGLANG_FIELDS = {
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "min_tokens": "min_new_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "no_stop_trim",
+    "repetition_penalty": "repetition_penalty",
+    "regex": "regex",
+    "ebnf": "ebnf",
 }
 
 
@@ -54,12 +83,15 @@ class OpenAIError(RequestError):
         self.param = param
 
 
-def error_response(message: str, status: int, param: str | None = None) -> web.Response:
-    """OpenAI's error body; `type` follows the status (invalid_request_error for 4xx)."""
+def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     kind = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}.get(status)
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None if status >= 500 else status}}
-    return web.json_response(body, status=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": None if status >= 500 else status}}
+
+
+def error_response(message: str, status: int, param: str | None = None) -> web.Response:
+    """OpenAI's error body; `type` follows the status (invalid_request_error for 4xx)."""
+    return web.json_response(_error_body(message, status, param), status=status)
 
 
 def _is_int(value: Any) -> bool:
@@ -110,6 +142,13 @@ def _sampling(body: dict, engine: CpuEngine) -> dict[str, Any]:
         if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
             raise OpenAIError(f"'stop' must be a non-empty string or a list of up to 4, got {stop!r}", "stop")
         params["stop"] = stops
+    for name, native in _SGLANG_FIELDS.items():
+        if body.get(name) is not None:
+            try:  # checked here so the error names the field as the client spelled it
+                parse_sampling_params({native: body[name]}, engine.vocab_size)
+            except RequestError as error:
+                raise OpenAIError(f"'{name}': {error.message}", name) from None
+            params[native] = body[name]
     return params
 
 
@@ -178,8 +217,186 @@ def _usage(prompts: list[list[int]], finished: list[GenerationRequest]) -> dict[
     }
 
 
-def _token_texts(request: GenerationRequest, engine: CpuEngine) -> list[str]:
-    return [engine.tokenizer.decode([t]) for t in request.output_ids]
+# (token id, its log-prob, its top log-probs [(token id, log-prob), ...]) for one generated token.
+TokenLogProb = tuple[int, float, list[tuple[int, float]]]
+
+
+def _entries(request: GenerationRequest, tops: list[list[tuple[int, float]]] | None) -> list[TokenLogProb]:
+    tops = tops or [[] for _ in request.output_ids]
+    return list(zip(request.output_ids, request.output_logprobs, tops))
+
+
+def _top_logprobs(body: dict, logprobs: bool) -> int:
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    if top and not logprobs:
+        raise OpenAIError("'top_logprobs' needs 'logprobs': true; send both or neither", "top_logprobs")
+    return top
+
+
+def _chat_logprobs(engine: CpuEngine, entries: list[TokenLogProb]) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = engine.tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries]}
+
+
+def _completion_logprobs(engine: CpuEngine, entries: list[TokenLogProb], top: int, offset: int) -> dict[str, Any]:
+    """The legacy shape; `offset` is where the first token's text starts in the choice's text."""
+    tokens = [engine.tokenizer.decode([t]) for t, _, _ in entries]
+    offsets = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    tops = None
+    if top:
+        tops = []
+        for _, _, pairs in entries:
+            by_text: dict[str, float] = {}
+            for token_id, logprob in pairs:  # most likely first: it keeps a text several tokens decode to
+                by_text.setdefault(engine.tokenizer.decode([token_id]), logprob)
+            tops.append(by_text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+# ----- streaming -----------------------------------------------------------------------------
+
+
+def _settled_text(text: str, markers: list[str], strip_space: bool) -> str:
+    """The part of a partial output that later tokens can neither change nor cut off.
+
+    Held back: a trailing incomplete UTF-8 character (decoded as U+FFFD), everything from the first
+    `marker` on, a tail that may still grow into a marker, and with `strip_space` trailing whitespace.
+    """
+    text = text.rstrip("\ufffd")
+    for marker in markers:
+        if marker in text:
+            text = text[: text.index(marker)]
+    hold = max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+    text = text[: len(text) - hold]
+    return text.rstrip() if strip_space else text
+
+
+@dataclass
+class _Choice:
+    """One streamed choice: its tokens so far, the text already sent, the log-probs not sent yet."""
+
+    index: int
+    request: GenerationRequest
+    ids: list[int] = field(default_factory=list)
+    sent: str = ""
+    pending: list[TokenLogProb] = field(default_factory=list)
+
+
+@dataclass
+class _Update:
+    """New text of one choice and the log-probs of the tokens behind it; `final` once the choice ended."""
+
+    choice: _Choice
+    text: str
+    entries: list[TokenLogProb]
+    final: bool
+
+
+@dataclass
+class _Stream:
+    """Requests in flight whose tokens arrive on `queue` (see `_start_stream`)."""
+
+    engine: CpuEngine
+    choices: dict[GenerationRequest, _Choice]
+    queue: asyncio.Queue
+    markers: list[str]
+    strip_space: bool
+    final_text: Callable[[GenerationRequest], str]
+    done: set[GenerationRequest] = field(default_factory=set)
+
+    async def updates(self) -> AsyncIterator[_Update]:
+        """Each choice's new settled text as its tokens arrive, then its final text once it ends.
+
+        Raises:
+            RequestError: 500 when the engine failed a request.
+        """
+        tokenizer = self.engine.tokenizer
+        while len(self.done) < len(self.choices):
+            request, entry, last = await self.queue.get()
+            choice = self.choices[request]
+            if entry is None:  # the request ended
+                self.done.add(request)
+                if request.error:
+                    raise RequestError(f"generation failed: {request.error}", status=500)
+                final = self.final_text(request)
+                if not final.startswith(choice.sent):
+                    logger.warning("request %s: streamed %r, but its final text is %r", request.rid, choice.sent, final)
+                rest = final[len(choice.sent) :] if final.startswith(choice.sent) else ""
+                update = _Update(choice, rest, choice.pending, final=True)
+                choice.sent, choice.pending = choice.sent + rest, []
+                yield update
+                continue
+            choice.ids.append(entry[0])
+            choice.pending.append(entry)
+            if last:  # the end event follows with the text as /generate trims it
+                continue
+            decoded = tokenizer.decode(choice.ids, skip_special_tokens=request.params.skip_special_tokens)
+            text = _settled_text(decoded, request.params.stop + self.markers, self.strip_space)
+            if len(text) > len(choice.sent) and text.startswith(choice.sent):
+                update = _Update(choice, text[len(choice.sent) :], choice.pending, final=False)
+                choice.sent, choice.pending = text, []
+                yield update
+
+    def abort_unfinished(self) -> None:
+        for request in self.choices:
+            if request not in self.done:
+                self.engine.abort(request.rid)
+
+
+def _start_stream(
+    engine: CpuEngine,
+    requests: list[GenerationRequest],
+    top_logprobs: int,
+    final_text: Callable[[GenerationRequest], str],
+    markers: tuple[str, ...] = (),
+    strip_space: bool = False,
+) -> _Stream:
+    """Submit `requests` with a watch that queues every token; raises RequestError before anything is sent."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def post(item: tuple) -> None:  # on the engine's worker thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def on_token(request: GenerationRequest, top: list[tuple[int, float]], last: bool) -> None:
+        post((request, (request.output_ids[-1], request.output_logprobs[-1], top), last))
+
+    for request in requests:
+        request.on_finish = lambda r: post((r, None, True))
+    choices = {r: _Choice(i, r) for i, r in enumerate(requests)}
+    stream = _Stream(engine, choices, queue, list(markers), strip_space, final_text)
+    engine.submit(requests, TokenWatch(on_token, top_logprobs))
+    return stream
+
+
+def _event(data: dict) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def _send_events(request: web.Request, chunks: AsyncIterator[dict]) -> web.StreamResponse:
+    """Write `chunks` as server-sent events as they come, then `data: [DONE]`."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        try:
+            async for chunk in chunks:
+                await response.write(_event(chunk))
+        except RequestError as error:
+            await response.write(_event(_error_body(error.message, error.status, getattr(error, "param", None))))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left; the caller aborts what still generates
+        pass
+    return response
 
 
 # ----- chat ----------------------------------------------------------------------------------
@@ -244,69 +461,33 @@ def _chat_prompt(engine: CpuEngine, messages: list[dict], tools: list[dict] | No
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _chat_choice(index: int, request: GenerationRequest, engine: CpuEngine, tools: list | None, logprobs: bool) -> dict:
-    text = _text(request, engine)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    finish = _finish_reason(request)
-    if tools:
-        content, calls = parse_tool_calls(text)
-        if calls:
-            message["content"] = content
-            message["tool_calls"] = [
-                {
-                    "id": f"call_{uuid.uuid4().hex[:24]}",
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in calls
-            ]
-            finish = "tool_calls"
-    choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
-    if logprobs:
-        choice["logprobs"] = {
-            "content": [
-                {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []}
-                for token, lp in zip(_token_texts(request, engine), request.output_logprobs)
-            ]
+def _split_tool_calls(text: str, tools: list | None) -> tuple[str | None, list[dict]]:
+    """(content, OpenAI `tool_calls`) of an output; the text unchanged and [] without tools or calls."""
+    if not tools:
+        return text, []
+    content, calls = parse_tool_calls(text)
+    if not calls:
+        return text, []
+    return content, [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
         }
-    return choice
+        for c in calls
+    ]
 
 
-def _sse(events: list[dict]) -> bytes:
-    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
-
-
-async def _send_stream(request: web.Request, events: list[dict]) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    await response.write(_sse(events))
-    await response.write_eof()
-    return response
-
-
-def _chat_stream_events(answer: dict, include_usage: bool) -> list[dict]:
-    head = {k: answer[k] for k in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk"
-    events = []
-    for choice in answer["choices"]:
-        message = choice["message"]
-        delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        events.append(
-            {
-                **head,
-                "choices": [
-                    {"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
-                ],
-            }
-        )
-        events.append(
-            {**head, "choices": [{"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}]}
-        )
-    if include_usage:
-        events.append({**head, "choices": [], "usage": answer["usage"]})
-    return events
+def _chat_choice(
+    index: int, request: GenerationRequest, engine: CpuEngine, tools: list | None, entries: list[TokenLogProb] | None
+) -> dict:
+    content, calls = _split_tool_calls(_text(request, engine), tools)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    finish = "tool_calls" if calls else _finish_reason(request)
+    logprobs = None if entries is None else _chat_logprobs(engine, entries)
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
 
 # ----- routes --------------------------------------------------------------------------------
@@ -319,6 +500,10 @@ def add_routes(
 
     `run_requests` and `read_body` are the server's own helpers; beyond `max_queued` waiting requests
     a call answers 503 with Retry-After, as /generate does.
+
+    Streaming with `tools`: content streams up to the first `<tool_call>`; the parsed `tool_calls` come in
+    the last chunk, once the text is complete. (The non-streamed content is stripped of surrounding
+    whitespace when calls are found; the streamed one may keep whitespace sent before the call.)
     """
     model_name = engine.model_path
 
@@ -334,19 +519,36 @@ def add_routes(
 
         return wrapped
 
-    async def run(requests: list[GenerationRequest]) -> list[GenerationRequest]:
+    def check_queue(count: int) -> None:
         waiting = engine.load()["num_waiting_reqs"]
-        if waiting + len(requests) > max_queued:
+        if waiting + count > max_queued:
             raise RequestError(
                 f"the engine's queue is full ({waiting} requests waiting, --max-queued-requests {max_queued}); "
                 "retry later",
                 status=503,
             )
-        finished = await run_requests(engine, requests)
+
+    async def run(requests: list[GenerationRequest], top_logprobs: int) -> list[list[TokenLogProb]]:
+        """Generate to the end; returns every request's token log-prob records."""
+        check_queue(len(requests))
+        tops: dict[GenerationRequest, list] = {r: [] for r in requests}
+        watch = TokenWatch(lambda r, top, last: tops[r].append(top), top_logprobs) if top_logprobs else None
+        finished = await run_requests(engine, requests, watch)
         failed = next((r.error for r in finished if r.error), None)
         if failed:
             raise RequestError(f"generation failed: {failed}", status=500)
-        return finished
+        return [_entries(r, tops[r]) for r in finished]
+
+    async def stream(
+        request: web.Request, requests: list[GenerationRequest], top_logprobs: int, chunks, **options
+    ) -> web.StreamResponse:
+        """Stream `chunks(updates)` for `requests`; whatever still generates when the stream ends is aborted."""
+        check_queue(len(requests))
+        started = _start_stream(engine, requests, top_logprobs, **options)
+        try:
+            return await _send_events(request, chunks(started.updates()))
+        finally:  # also on a disconnect, which cancels this handler
+            started.abort_unfinished()
 
     @openai_errors
     async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -354,25 +556,59 @@ def add_routes(
         messages, tools = _messages(body), _tools(body)
         params = _sampling(body, engine)
         n, seed = _choices(body)
-        stream, include_usage = _stream_options(body)
+        streaming, include_usage = _stream_options(body)
         logprobs = body.get("logprobs") or False
         if not isinstance(logprobs, bool):
             raise OpenAIError(f"'logprobs' must be true or false, got {logprobs!r}", "logprobs")
-        if body.get("top_logprobs"):
-            raise OpenAIError("'top_logprobs' is not supported by the CPU engine; omit it or send 0", "top_logprobs")
+        top_logprobs = _top_logprobs(body, logprobs)
         prompt = _chat_prompt(engine, messages, tools)
-        finished = await run(_build_requests(engine, [prompt], params, n, seed, logprobs))
-        answer = {
+        requests = _build_requests(engine, [prompt], params, n, seed, logprobs)
+        head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or model_name,
-            "choices": [_chat_choice(i, r, engine, tools, logprobs) for i, r in enumerate(finished)],
-            "usage": _usage([prompt], finished),
         }
-        if stream:
-            return await _send_stream(request, _chat_stream_events(answer, include_usage))
-        return web.json_response(answer)
+        if not streaming:
+            entries = await run(requests, top_logprobs)
+            choices = [
+                _chat_choice(i, r, engine, tools, e if logprobs else None)
+                for i, (r, e) in enumerate(zip(requests, entries))
+            ]
+            return web.json_response({**head, "choices": choices, "usage": _usage([prompt], requests)})
+
+        head["object"] = "chat.completion.chunk"
+
+        async def chunks(updates: AsyncIterator[_Update]) -> AsyncIterator[dict]:
+            for i in range(len(requests)):
+                start = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                yield {**head, "choices": [start]}
+            async for update in updates:
+                delta: dict[str, Any] = {"content": update.text} if update.text else {}
+                choice = {"index": update.choice.index, "delta": delta, "finish_reason": None}
+                choice["logprobs"] = _chat_logprobs(engine, update.entries) if logprobs else None
+                if update.final:
+                    request = update.choice.request
+                    _, calls = _split_tool_calls(_text(request, engine), tools)
+                    if calls:
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                    choice["finish_reason"] = "tool_calls" if calls else _finish_reason(request)
+                yield {**head, "choices": [choice]}
+            if include_usage:
+                yield {**head, "choices": [], "usage": _usage([prompt], requests)}
+
+        def final_text(request: GenerationRequest) -> str:
+            return _split_tool_calls(_text(request, engine), tools)[0] or ""
+
+        markers = [TOOL_CALL_START] if tools else []
+        return await stream(
+            request, requests, top_logprobs, chunks, final_text=final_text, markers=markers, strip_space=bool(tools)
+        )
 
     @openai_errors
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -380,42 +616,44 @@ def add_routes(
         prompts = _completion_prompts(body, engine)
         params = _sampling(body, engine)
         n, seed = _choices(body)
-        stream, include_usage = _stream_options(body)
-        logprobs = _integer(body, "logprobs", 0, 0, None)
-        finished = await run(_build_requests(engine, prompts, params, n, seed, logprobs is not None))
-        choices = []
-        for i, r in enumerate(finished):
-            choice: dict[str, Any] = {
-                "index": i,
-                "text": _text(r, engine),
-                "finish_reason": _finish_reason(r),
-                "logprobs": None,
-            }
-            if logprobs is not None:
-                tokens = _token_texts(r, engine)
-                offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
-                choice["logprobs"] = {
-                    "tokens": tokens,
-                    "token_logprobs": list(r.output_logprobs),
-                    "top_logprobs": None,
-                    "text_offset": offsets,
-                }
-            choices.append(choice)
-        answer = {
+        streaming, include_usage = _stream_options(body)
+        logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
+        top_logprobs = logprobs or 0
+        requests = _build_requests(engine, prompts, params, n, seed, logprobs is not None)
+        head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": body.get("model") or model_name,
-            "choices": choices,
-            "usage": _usage(prompts, finished),
         }
-        if stream:
-            head = {k: answer[k] for k in ("id", "object", "created", "model")}
-            events = [{**head, "choices": [c]} for c in choices]
+        if not streaming:
+            entries = await run(requests, top_logprobs)
+            choices = [
+                {
+                    "index": i,
+                    "text": _text(r, engine),
+                    "finish_reason": _finish_reason(r),
+                    "logprobs": None if logprobs is None else _completion_logprobs(engine, e, top_logprobs, 0),
+                }
+                for i, (r, e) in enumerate(zip(requests, entries))
+            ]
+            return web.json_response({**head, "choices": choices, "usage": _usage(prompts, requests)})
+
+        async def chunks(updates: AsyncIterator[_Update]) -> AsyncIterator[dict]:
+            offsets = [0] * len(requests)
+            async for update in updates:
+                index, request = update.choice.index, update.choice.request
+                choice = {"index": index, "text": update.text, "logprobs": None, "finish_reason": None}
+                if logprobs is not None:
+                    choice["logprobs"] = _completion_logprobs(engine, update.entries, top_logprobs, offsets[index])
+                    offsets[index] += sum(len(t) for t in choice["logprobs"]["tokens"])
+                if update.final:
+                    choice["finish_reason"] = _finish_reason(request)
+                yield {**head, "choices": [choice]}
             if include_usage:
-                events.append({**head, "choices": [], "usage": answer["usage"]})
-            return await _send_stream(request, events)
-        return web.json_response(answer)
+                yield {**head, "choices": [], "usage": _usage(prompts, requests)}
+
+        return await stream(request, requests, top_logprobs, chunks, final_text=lambda r: _text(r, engine))
 
     async def models(request: web.Request) -> web.Response:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "slime", "root": model_name}

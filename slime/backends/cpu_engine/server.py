@@ -22,7 +22,8 @@ Endpoints (request/response shapes follow SGLang):
     POST /destroy_weights_update_group   {"group_name"}
     POST /update_weights_from_disk       {"model_path", "load_format"?, "weight_version"?}
     POST /release_memory_occupation, /resume_memory_occupation  {"tags"?}
-    POST /v1/chat/completions, /v1/completions; GET /v1/models   OpenAI-compatible (see openai_api.py).
+    POST /v1/chat/completions, /v1/completions; GET /v1/models   OpenAI-compatible (see openai_api.py), with
+                                         token-by-token `stream: true` and top log-probs.
 
 Errors: /generate answers {"error": {"message"}}; control endpoints answer {"success": false, "message"}.
 Weight updates without an explicit `weight_version` bump it ("default" -> "1" -> "2" ...).
@@ -62,7 +63,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from slime.backends.cpu_engine import openai_api, weights
-from slime.backends.cpu_engine.engine import CpuEngine
+from slime.backends.cpu_engine.engine import CpuEngine, TokenWatch
 from slime.backends.cpu_engine.protocol import (
     GenerationRequest,
     RequestError,
@@ -342,15 +343,18 @@ def _control(handler: Callable[[web.Request], Awaitable[str | dict]]):
     return wrapped
 
 
-async def _run_requests(engine: CpuEngine, requests: list[GenerationRequest]) -> list[GenerationRequest]:
-    """Submit requests and wait until all have finished; abort them if the caller goes away."""
+async def _run_requests(
+    engine: CpuEngine, requests: list[GenerationRequest], watch: TokenWatch | None = None
+) -> list[GenerationRequest]:
+    """Submit requests (with `watch`, see `CpuEngine.submit`) and wait until all have finished; abort them if
+    the caller goes away."""
     loop = asyncio.get_running_loop()
     futures = []
     for request in requests:
         future = loop.create_future()
         request.on_finish = functools.partial(_resolve_from_thread, loop, future)
         futures.append(future)
-    engine.submit(requests)
+    engine.submit(requests, watch)
     try:
         return await asyncio.gather(*futures)
     except asyncio.CancelledError:
