@@ -1,0 +1,451 @@
+"""Run model-written Python (a code-interpreter tool, as in ReTool) in a subprocess with limits.
+
+Whatever the code does (loops forever, forks, allocates, prints gigabytes, opens sockets, writes files), the
+caller gets a `SandboxResult` whose `as_tool_message()` goes into the conversation; the rollout never crashes.
+
+How the child is confined (Linux):
+- `python -I -u main.py` with stdin on /dev/null, a minimal environment (nothing inherited, so no API keys), its
+  own session, and rlimits on CPU time, address space, processes, file size and core dumps.
+- As root, each sandbox runs under its own fresh unprivileged uid, so RLIMIT_NPROC (which root ignores) applies
+  and counts only this sandbox, and files of every real user are protected by their permissions. As non-root, a
+  user namespace is used instead (RLIMIT_NPROC is then counted per namespace, Linux >= 5.14).
+- A new PID namespace: the program is pid 1 there, so when it ends or is killed the kernel kills and reaps all it
+  started, even processes that left the process group. A new network namespace (only a loopback that is down)
+  unless `allow_network`. A new mount namespace where /tmp, /var/tmp and /dev/shm are one private tmpfs of
+  `memory_mb` (also the working directory), /proc shows only the sandbox, and directories the sandbox uid cannot
+  enter on the way to the interpreter (e.g. /root for a pyenv Python) are covered by an empty tmpfs with only the
+  interpreter's prefix bound back.
+- If namespaces cannot be set up (e.g. a container without CAP_SYS_ADMIN), the sandbox still runs with the uid
+  and rlimits in a temporary directory, is cleaned up by process group and uid, and logs once that network and
+  /tmp isolation are missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import logging
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
+PR_SET_PDEATHSIG = 1
+
+# Fresh uids for sandboxes, far above ordinary accounts and system ranges (subuid ranges start at 100000).
+UID_BASE, UID_RANGE = 1_500_000_000, 1 << 24
+SETUP_ERROR = "slime sandbox setup failed: "
+SCRIPT = "main.py"
+
+
+@dataclass
+class SandboxLimits:
+    """Limits for one run. Sizes are in MB / bytes, times in seconds; `memory_mb` also caps the files it writes."""
+
+    wall_time_s: float = 10.0
+    cpu_time_s: float = 10.0
+    memory_mb: int = 512
+    max_output_bytes: int = 16_384
+    max_processes: int = 32
+    allow_network: bool = False
+
+
+@dataclass
+class SandboxResult:
+    """What a run produced. `exit_code` is None when the process was killed; `violation` names the limits hit
+    (several are joined by "; "), or is None for a clean run; `max_output_bytes` is the cap `as_tool_message` keeps."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    violation: str | None
+    elapsed_s: float
+    max_output_bytes: int = 16_384
+
+    def ok(self) -> bool:
+        """True when the program exited with code 0 and hit no limit."""
+        return self.exit_code == 0 and self.violation is None
+
+    def as_tool_message(self) -> str:
+        """The text for the conversation: stdout for a clean run; otherwise the stdout printed so far followed by
+        one `Error: ...` line naming the violation and/or the traceback's last line. At most `max_output_bytes`."""
+        if self.ok():
+            return _cut(self.stdout, self.max_output_bytes)
+        reasons = [self.violation] if self.violation else []
+        if error := _last_error_line(self.stderr):
+            reasons.append(error)
+        if not reasons:
+            reasons.append(f"exit code {self.exit_code}")
+        error_line = _cut("Error: " + "; ".join(reasons), self.max_output_bytes // 2)
+        head = _cut(self.stdout, self.max_output_bytes - len(error_line.encode()) - 1)
+        return f"{head}\n{error_line}" if head and not head.endswith("\n") else head + error_line
+
+
+async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run `code` as a Python script in a fresh sandbox and return what happened. Never raises because of what the
+    code does; raises RuntimeError only when this machine cannot run a sandbox at all (the message says why)."""
+    limits = limits or SandboxLimits()
+    plan = await asyncio.to_thread(_plan)
+    start = time.monotonic()
+    spawn = _Spawn.make(plan, limits)
+    capture = _Capture(limits.max_output_bytes)
+    killed = False
+    try:
+        try:
+            proc = await asyncio.create_subprocess_exec(*spawn.argv, **spawn.popen_kwargs(code))
+        except OSError as e:  # the machine could not fork (no memory, no process slots): a tool error, not a crash
+            logger.warning("sandbox could not start a process: %r", e)
+            return SandboxResult("", "", None, f"sandbox could not start: {e}", 0.0, limits.max_output_bytes)
+
+        def kill() -> None:
+            nonlocal killed
+            killed = True
+            spawn.stop(proc)
+
+        pumps = asyncio.gather(
+            _pump(proc.stdout, capture.stdout, capture, kill), _pump(proc.stderr, capture.stderr, capture, kill)
+        )
+        try:
+            await asyncio.wait_for(proc.wait(), limits.wall_time_s)
+        except TimeoutError:
+            capture.timed_out = True
+            kill()
+        finally:
+            spawn.stop(proc)  # without namespaces: background children of a program that exited
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except TimeoutError:  # the relay did not answer: kill it too (its sandbox dies with it)
+                logger.warning("sandbox relay %d did not exit; killing its process group", proc.pid)
+                os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+            try:  # every writer is dead, so the pipes drain at once; the timeout only guards against the unforeseen
+                await asyncio.wait_for(pumps, 2.0)
+            except TimeoutError:
+                logger.warning("sandbox output pipes stayed open after its processes were killed")
+        elapsed = time.monotonic() - start
+    finally:
+        spawn.cleanup()
+    return _result(capture, proc.returncode, killed, limits, elapsed)
+
+
+def run_python_sync(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """`run_python` for synchronous code. Inside a running event loop, `await run_python(...)` instead."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run_python(code, limits))
+    raise RuntimeError("run_python_sync was called inside a running event loop; use `await run_python(code)`")
+
+
+@dataclass
+class _Capture:
+    limit: int
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    cut: bool = False
+    timed_out: bool = False
+
+
+async def _pump(stream: asyncio.StreamReader, into: bytearray, capture: _Capture, kill: Callable[[], None]) -> None:
+    """Read `stream` as it comes; past the shared stdout+stderr budget, keep nothing more and kill the program."""
+    while chunk := await stream.read(1 << 16):
+        room = capture.limit - len(capture.stdout) - len(capture.stderr)
+        into += chunk[: max(room, 0)]
+        if len(chunk) > room and not capture.cut:
+            capture.cut = True
+            kill()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How this machine can confine a child, probed once per process."""
+
+    as_root: bool
+    namespaces: bool
+    holes: tuple[str, ...]  # directories to cover with an empty tmpfs (the sandbox uid cannot enter them)
+    interpreter: tuple[str, ...]  # directories bound back into the mount namespace so the interpreter runs
+
+
+@functools.cache
+def _plan() -> _Plan:
+    as_root = os.geteuid() == 0
+    interpreter = _interpreter_dirs()
+    holes = tuple(sorted({h for d in interpreter if (h := _first_closed_ancestor(d))})) if as_root else ()
+    full = _Plan(as_root, True, holes, interpreter)
+    error = _probe(full)
+    if not error:
+        return full
+    logger.warning(
+        "sandbox: could not set up network and mount namespaces (%s); sandboxed code CAN reach the network and "
+        "shared /tmp. Run with CAP_SYS_ADMIN (or unprivileged user namespaces enabled) for full isolation.",
+        error,
+    )
+    degraded = _Plan(as_root, False, (), interpreter)
+    if error := _probe(degraded):
+        raise RuntimeError(
+            f"the code sandbox cannot run {sys.executable}: {error}. Without mount namespaces the interpreter "
+            "must be readable by an unprivileged user: install Python outside /root (e.g. /usr/local or /opt), "
+            "or allow mount namespaces (CAP_SYS_ADMIN)."
+        )
+    return degraded
+
+
+def _probe(plan: _Plan) -> str | None:
+    """None when a sandbox with this plan runs a trivial program, else the reason it does not."""
+    spawn = _Spawn.make(plan, SandboxLimits())
+    try:
+        out = subprocess.run(spawn.argv, timeout=30, **spawn.popen_kwargs("print('ok')"))
+    except (OSError, subprocess.SubprocessError) as e:
+        return repr(e)
+    finally:
+        spawn.cleanup()
+    if out.stdout == b"ok\n":
+        return None
+    return out.stderr.decode(errors="replace").strip().removeprefix(SETUP_ERROR) or f"exit code {out.returncode}"
+
+
+def _interpreter_dirs() -> tuple[str, ...]:
+    dirs = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix)}
+    dirs.add(os.path.dirname(os.path.realpath(sys.executable)))
+    # Drop directories inside others: binding the outer one brings them along.
+    return tuple(sorted(d for d in dirs if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in dirs)))
+
+
+def _first_closed_ancestor(path: str) -> str | None:
+    """The topmost directory above `path` that others may not enter. None if there is none, or once the walk
+    reaches /tmp: the sandbox covers /tmp with its own tmpfs, and the interpreter is bound back into it anyway."""
+    parts = path.strip("/").split("/")
+    for ancestor in ("/" + "/".join(parts[:i]) for i in range(1, len(parts))):
+        if ancestor == "/tmp":
+            return None
+        if not os.stat(ancestor).st_mode & 0o001:
+            return ancestor
+    return None
+
+
+@dataclass
+class _Spawn:
+    """One child's identity, working directory and setup."""
+
+    plan: _Plan
+    limits: SandboxLimits
+    uid: int | None  # the fresh uid when running as root
+    workdir: str | None  # host temporary directory, only without a mount namespace (else a private tmpfs)
+    argv: tuple[str, ...] = (sys.executable, "-I", "-u", SCRIPT)
+
+    @staticmethod
+    def make(plan: _Plan, limits: SandboxLimits) -> _Spawn:
+        uid = UID_BASE + random.randrange(UID_RANGE) if plan.as_root else None
+        workdir = None
+        if not plan.namespaces:
+            workdir = tempfile.mkdtemp(prefix="slime-sandbox-")
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+        return _Spawn(plan, limits, uid, workdir)
+
+    def popen_kwargs(self, code: str) -> dict:
+        home = self.workdir or "/tmp"
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": home,
+            "TMPDIR": home,
+            "LANG": "C.UTF-8",
+            "MPLBACKEND": "Agg",
+            # Each BLAS/OpenMP thread counts against RLIMIT_NPROC; one per library is plenty for a tool call.
+            **{k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")},
+        }
+        return dict(
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=self.workdir or "/",
+            env=env,
+            start_new_session=True,
+            preexec_fn=functools.partial(_child_setup, self, code.encode(errors="surrogateescape")),
+        )
+
+    def stop(self, proc: asyncio.subprocess.Process | subprocess.Popen) -> None:
+        """Kill the sandbox and everything it started. With namespaces, SIGTERM asks the relay to SIGKILL the
+        sandbox (pid 1 of its PID namespace, so the kernel kills the rest) and reap it, which leaves no zombies."""
+        if self.plan.namespaces:
+            if proc.returncode is None:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.uid is not None:  # processes that left the process group
+            _kill_uid(self.uid)
+
+    def cleanup(self) -> None:
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _kill_uid(uid: int) -> None:
+    """`kill(-1, SIGKILL)` from a helper running as `uid`: the kernel signals all of that uid's processes at once,
+    so a fork bomb cannot outrun it."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _sys(name: str, *args) -> None:
+    if getattr(_libc, name)(*args) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{name}{args}: {os.strerror(errno)}")
+
+
+def _child_setup(spawn: _Spawn, code: bytes) -> None:
+    """Runs in the forked child before exec. With namespaces, the child only unshares, forks the real sandbox
+    (pid 1 of a new PID namespace, so when it dies the kernel kills and reaps everything it started) and relays its
+    exit status. Failures are reported on stderr with exit code 126 instead of raising, so the reason reaches the
+    parent."""
+    try:
+        plan, limits, uid = spawn.plan, spawn.limits, spawn.uid
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if plan.namespaces:
+            _unshare(plan, limits)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until the relay knows whom to kill
+            if pid := os.fork():
+                _relay_exit(pid)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            _mount_private_tree(plan, limits, uid)
+        with open(SCRIPT, "xb") as f:
+            f.write(code)
+            if uid is not None:
+                os.fchown(f.fileno(), uid, uid)
+        cpu = max(1, int(limits.cpu_time_s + 0.999))
+        mb = 1 << 20
+        for res, value in (
+            # SIGKILL at the limit: pid 1 of a PID namespace ignores a SIGXCPU it does not handle.
+            (resource.RLIMIT_CPU, (cpu, cpu)),
+            (resource.RLIMIT_AS, (limits.memory_mb * mb,) * 2),
+            (resource.RLIMIT_FSIZE, (limits.memory_mb * mb,) * 2),
+            (resource.RLIMIT_NPROC, (limits.max_processes,) * 2),
+        ):
+            resource.setrlimit(res, value)
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        if plan.namespaces:  # set after the uid change, which clears it: die with the relaying parent
+            _sys("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except BaseException as e:
+        os.write(2, f"{SETUP_ERROR}{e!r}\n".encode())
+        os._exit(126)
+
+
+def _unshare(plan: _Plan, limits: SandboxLimits) -> None:
+    flags = CLONE_NEWNS | CLONE_NEWPID | (0 if limits.allow_network else CLONE_NEWNET)
+    if plan.as_root:
+        _sys("unshare", flags)
+        return
+    uid, gid = os.getuid(), os.getgid()
+    _sys("unshare", flags | CLONE_NEWUSER)
+    # Map ourselves to ourselves: inside we are no one special once we exec, and tmpfs owners resolve.
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def _relay_exit(pid: int) -> None:
+    """In the intermediate process: wait for the sandbox and exit the way it did."""
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # incl. Popen's exec-status pipe, which the parent waits on
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    status = os.waitpid(pid, 0)[1]
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig != signal.SIGKILL:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _mount_private_tree(plan: _Plan, limits: SandboxLimits, uid: int | None) -> None:
+    """In the sandbox (pid 1, still privileged): private /tmp, /var/tmp, /dev/shm and /proc; interpreter visible."""
+    owner, group = (uid, uid) if uid is not None else (os.getuid(), os.getgid())
+    _sys("mount", b"none", b"/", None, MS_REC | MS_PRIVATE, None)  # nothing below propagates to the host
+    keep = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in plan.interpreter]
+    for hole in plan.holes:
+        _sys("mount", b"tmpfs", hole.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=755,size=1m")
+    tmp_options = f"mode=700,uid={owner},gid={group},size={limits.memory_mb}m".encode()
+    _sys("mount", b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, tmp_options)
+    for directory, fd in zip(plan.interpreter, keep):
+        os.makedirs(directory, exist_ok=True)
+        _sys("mount", f"/proc/self/fd/{fd}".encode(), directory.encode(), None, MS_BIND | MS_REC, None)
+        os.close(fd)
+    for shared in ("/var/tmp", "/dev/shm"):
+        if os.path.isdir(shared):
+            _sys("mount", b"/tmp", shared.encode(), None, MS_BIND, None)
+    _sys("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)  # only our own processes
+    os.chdir("/tmp")
+
+
+def _result(capture: _Capture, returncode: int, killed: bool, limits: SandboxLimits, elapsed: float) -> SandboxResult:
+    stdout = capture.stdout.decode(errors="replace")
+    stderr = capture.stderr.decode(errors="replace")
+    violations = []
+    if capture.timed_out:
+        violations.append(f"wall-clock limit of {limits.wall_time_s:g} s")
+    if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and not killed):
+        violations.append(f"CPU time limit of {limits.cpu_time_s:g} s")
+    if re.search(r"MemoryError\b|Cannot allocate memory", stderr):
+        violations.append(f"memory limit of {limits.memory_mb} MB")
+    if re.search(r"BlockingIOError: \[Errno 11\]|can't start new thread", stderr):
+        violations.append(f"process limit of {limits.max_processes}")
+    if not limits.allow_network and re.search(
+        r"Network is unreachable|Temporary failure in name resolution|Cannot assign requested address", stderr
+    ):
+        violations.append("network is disabled")
+    if capture.cut:
+        violations.append(f"output cut at {limits.max_output_bytes} bytes")
+    if returncode == 126 and stderr.startswith(SETUP_ERROR):
+        violations.append(stderr.strip())
+    if returncode < 0 and not violations:
+        violations.append(f"killed by {signal.Signals(-returncode).name}")
+    exit_code = None if returncode < 0 else returncode
+    return SandboxResult(stdout, stderr, exit_code, "; ".join(violations) or None, elapsed, limits.max_output_bytes)
+
+
+def _last_error_line(stderr: str) -> str | None:
+    """The exception line of a traceback ("ValueError: ..."), with the line of the user's script it points to."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if 'File "' not in stderr or not re.fullmatch(r"[A-Za-z_][\w.]*(: .*)?", lines[-1]):
+        return None
+    at = re.findall(rf'File "(?:[^"]*/)?{re.escape(SCRIPT)}", line (\d+)', stderr)
+    return lines[-1] + (f" (line {at[-1]})" if at else "")
+
+
+def _cut(text: str, max_bytes: int) -> str:
+    return text.encode()[: max(max_bytes, 0)].decode(errors="ignore")
