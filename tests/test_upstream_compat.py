@@ -148,10 +148,8 @@ def test_mask_generator_refuses_unknown_type_and_missing_template(tokenizers, ti
         MultiTurnLossMaskGenerator(bare)
 
 
-@pytest.mark.reliability(
-    "a Qwen3-style template that rewrites the last turn, two turns", "ValueError, not a wrong mask"
-)
-def test_qwen3_style_template_masks_one_turn_and_refuses_two(tiny_model_dir):
+def test_qwen3_style_template_masks_every_turn_as_rendered(tiny_model_dir):
+    """A template that adds <think></think> to the last assistant turn only: each turn is masked as it appears."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
@@ -164,8 +162,11 @@ def test_qwen3_style_template_masks_one_turn_and_refuses_two(tiny_model_dir):
     assert generator.get_text_from_loss_mask(token_ids, loss_mask) == [
         "<think>\n\n</think>\n\nThe answer is 46.<|im_end|>\n"
     ]
-    with pytest.raises(ValueError, match="assistant turn at message 2: .* renders this turn differently"):
-        generator.get_loss_mask(CONVERSATION[:5])
+    token_ids, loss_mask = generator.get_loss_mask(CONVERSATION[:5])
+    assert generator.get_text_from_loss_mask(token_ids, loss_mask) == [
+        "The answer is 46.<|im_end|>\n",
+        "<think>\n\n</think>\n\nthe quick brown fox<|im_end|>\n",
+    ]
 
 
 # ---- http_utils.post ------------------------------------------------------------------------------------------

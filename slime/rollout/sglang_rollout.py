@@ -25,6 +25,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from slime.backends.sglang_utils.engine_command_line import engine_api_key
+from slime.rollout.agent_rollout import generate as agent_generate
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.async_utils import run
@@ -215,6 +216,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
     async with state.semaphore:
         if state.custom_generate is not None:
             result = await maybe_await(state.custom_generate(args, sample, sampling_params))
+        elif getattr(args, "agent_function_path", None):
+            result = await agent_generate(args, sample, sampling_params, state.context_limits[evaluation])
         else:
             result = await generate(args, sample, sampling_params, evaluation)
     samples = result if isinstance(result, list) else [result]
@@ -228,7 +231,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
     result = samples if isinstance(result, list) else samples[0]
     if not args.group_rm:
         for s in samples:
-            if s.status != Status.ABORTED and s.reward is None:
+            if s.status not in (Status.ABORTED, Status.FAILED) and s.reward is None:  # unfinished: reward 0
                 s.reward = await async_rm(args, s)
     return result
 

@@ -1,11 +1,20 @@
 """Loss masks for chat conversations: 1 exactly on the tokens the assistant wrote.
 
-Assistant turns are located by rendering growing prefixes of the conversation with the tokenizer's own
-chat template: the messages before turn i with the generation prompt (where the model would start
-writing), and the messages up to and including turn i (where it stopped). Both must be prefixes of the
-whole rendered conversation, which holds for ChatML (Qwen2.5), Llama-3 and most templates. Templates
-that render a turn differently once later messages follow it (Qwen3's last-turn `<think>` block) are
-refused with an error rather than masked wrongly.
+Assistant turns are located in the rendering of the whole conversation with the tokenizer's own chat
+template. For turn i, three renders: the messages before it (its context), the same with the generation
+prompt (where the model starts writing) and the messages up to and including it (the turn as the last
+message, so what the model writes: the turn's text and its end-of-turn marker). For ChatML (Qwen2.5), Llama-3
+and most templates all three are prefixes of the whole conversation, and the turn is what lies between the
+last two.
+
+Templates that render turns differently once later messages follow are handled as far as the turns can still
+be located, and each turn is masked the way it appears inside the whole conversation: Qwen3 gives only the last
+assistant turn an (empty) `<think>` block and shows the reasoning of earlier turns only until a later user query,
+so an earlier turn keeps the end of what the model wrote, from its answer on; with `enable_thinking=False` the
+generation prompt's empty `<think></think>` is missing from earlier turns, which keep all the model wrote after
+a shorter header. The messages between two assistant turns must render the same in both places. A template
+that rewrites a turn's middle or end, or the messages around it, is refused with an error rather than masked
+wrongly.
 
     generator = MultiTurnLossMaskGenerator(tokenizer)
     token_ids, loss_mask = generator.get_loss_mask(messages)
@@ -47,6 +56,49 @@ def _render(
         ) from e
 
 
+def _longest_suffix_prefix(text: str, following: str) -> int:
+    """Length of the longest suffix of `text` that `following` starts with."""
+    start = text.find(following[:1])
+    while 0 <= start < len(text):
+        if following.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(following[:1], start + 1)
+    return 0
+
+
+def _locate_turn(full: str, context: str, prompt: str, alone: str, consumed: int, i: int) -> tuple[int, int]:
+    """Start and end, in `full`, of the text assistant turn `i` contributes to the loss (see module doc)."""
+    if not (prompt.startswith(context) and alone.startswith(prompt)):
+        raise ValueError(
+            f"assistant turn at message {i}: the chat template's generation prompt is not how it starts this turn "
+            "(rendering the messages up to the turn does not begin with the messages before it plus the generation "
+            "prompt), so what the model wrote cannot be told apart; check the turn's fields against the template's "
+            "options (a turn with reasoning under Qwen3's enable_thinking=False, for example)"
+        )
+    generation_prompt, written = prompt[len(context) :], alone[len(prompt) :]
+    # The messages between the previous turn and this one render as at the end of this turn's context, even when
+    # earlier turns render differently there (Qwen3 keeps the reasoning of turns after the last user query).
+    header = consumed + _longest_suffix_prefix(context, full[consumed:])
+    if full.startswith(generation_prompt, header):
+        start = header + len(generation_prompt)
+        # The turn keeps the end of what the model wrote (Qwen3 drops the <think> block of earlier turns).
+        kept = _longest_suffix_prefix(written, full[start:])
+        if kept:
+            return start, start + kept
+    else:
+        # Only part of the generation prompt is there (Qwen3 with enable_thinking=False drops its empty <think>
+        # block from earlier turns): the turn must then hold all the model wrote.
+        start = full.find(written, header) if written else -1
+        if start >= 0 and generation_prompt.startswith(full[header:start]):
+            return start, start + len(written)
+    raise ValueError(
+        f"assistant turn at message {i}: the chat template renders this turn, or the messages before it, "
+        "differently once later messages follow, beyond dropping text at the turn's start (as Qwen3 drops a "
+        "<think> block), so the turn cannot be located in the whole conversation. Keep one assistant turn per "
+        "conversation, or give the checkpoint a chat template that renders every assistant turn the same way"
+    )
+
+
 def conversation_segments(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -73,25 +125,13 @@ def conversation_segments(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start_text = _render(tokenizer, messages[:i], True, tools, kwargs)
-        end_text = _render(tokenizer, messages[: i + 1], False, tools, kwargs)
-        if not (full.startswith(start_text) and len(start_text) >= consumed):
-            raise ValueError(
-                f"assistant turn at message {i}: the chat template renders the messages before it plus the "
-                "generation prompt differently from how they appear in the whole conversation, so the turn cannot "
-                "be located; the template must render a conversation's history the same whatever follows it"
-            )
-        if not (full.startswith(end_text) and len(end_text) > len(start_text)):
-            raise ValueError(
-                f"assistant turn at message {i}: the chat template renders this turn differently once later "
-                "messages follow it (Qwen3-style templates, for example, add a <think></think> block only to the "
-                "final assistant turn), so it cannot be masked inside one sequence. Keep one assistant turn per "
-                "conversation, or give the checkpoint a chat template that renders every assistant turn the same "
-                "way (for Qwen3: emit the <think> block only when the turn has reasoning_content)"
-            )
-        segments.append(Segment(full[consumed : len(start_text)], trainable=False))
-        segments.append(Segment(full[len(start_text) : len(end_text)], trainable=True))
-        consumed = len(end_text)
+        context = _render(tokenizer, messages[:i], False, tools, kwargs)
+        prompt = _render(tokenizer, messages[:i], True, tools, kwargs)
+        alone = _render(tokenizer, messages[: i + 1], False, tools, kwargs)
+        start, end = _locate_turn(full, context, prompt, alone, consumed, i)
+        segments.append(Segment(full[consumed:start], trainable=False))
+        segments.append(Segment(full[start:end], trainable=True))
+        consumed = end
     if not segments:
         roles = [message["role"] for message in messages]
         raise ValueError(f"the conversation has no assistant turn to train on (roles: {roles})")

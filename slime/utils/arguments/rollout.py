@@ -25,6 +25,18 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         help="async generate(args, sample, sampling_params) -> Sample | list[Sample], replacing one generation.",
     )
     group.add_argument(
+        "--agent-function-path",
+        default=None,
+        help="async agent(base_url, sample, sampling_params) run per sample against the trajectory proxy's "
+        "OpenAI endpoint (base_url ends in /v1); the session it drives becomes the sample.",
+    )
+    group.add_argument(
+        "--max-turns",
+        type=int,
+        default=8,
+        help="Most model turns one multi-turn / agent sample may take (the multi-turn helpers and the proxy stop it).",
+    )
+    group.add_argument(
         "--rollout-sample-hook-path",
         nargs="+",
         action="extend",

@@ -268,7 +268,18 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_output_folders(args)
     _validate_engine_limits(args)
     _validate_flag_uses(args)
+    _validate_agent(args)
     return args
+
+
+def _validate_agent(args: argparse.Namespace) -> None:
+    if args.agent_function_path and args.custom_generate_function_path:
+        _fail(
+            "--agent-function-path and --custom-generate-function-path both replace the generation of a sample; "
+            "pass one of them (a custom generate function can drive its own multi-turn loop)."
+        )
+    if args.max_turns < 1:
+        _fail(f"--max-turns is the most model turns of one sample and must be at least 1 (got {args.max_turns}).")
 
 
 def _validate_engine_limits(args: argparse.Namespace) -> None:
@@ -366,3 +377,4 @@ def _validate_flag_uses(args: argparse.Namespace) -> None:
             _fail("--recompute-method / --recompute-num-layers go with --recompute-granularity full.")
         if args.attention_backend == "flash" and importlib.util.find_spec("flash_attn") is None:
             _fail("--attention-backend flash needs the flash-attn package; install it or drop the flag (sdpa).")
+

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Search-R1 GRPO (examples/search-r1/README.md): multi-turn search over the shipped BM25 corpus. By default on CPU
+# with the quickstart's model and the shipped QA set; MODEL=... DATA=... pick others, and any extra flags go to
+# train.py (GPU flags included: they override the script's).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+MODEL=${MODEL:-models/SmolLM2-135M-Instruct}
+DATA=${DATA:-examples/search-r1/qa.jsonl}
+OUT=${OUT:-outputs/search-r1}
+for path in "$MODEL" "$DATA"; do
+    if [ ! -e "$path" ]; then
+        echo "$path does not exist: run bash scripts/run-quickstart-cpu.sh once (it prepares the model), or pass MODEL=... DATA=..." >&2
+        exit 1
+    fi
+done
+# Ray workers import generate_with_search by this path, so it must be absolute.
+export PYTHONPATH="$PWD/examples/search-r1${PYTHONPATH:+:$PYTHONPATH}"
+
+ARGS=(
+    --hf-checkpoint "$MODEL"
+    --prompt-data "$DATA" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
+    --custom-generate-function-path generate_with_search.generate
+    --custom-rm-path generate_with_search.reward_func
+    --max-turns "${MAX_TURNS:-3}" --rollout-max-response-len 96 --rollout-max-context-len 1536
+    --rollout-batch-size 4 --n-samples-per-prompt 4 --num-rollout "${NUM_ROLLOUT:-20}" --rollout-temperature 0.8
+    --advantage-estimator grpo --lr 2e-5
+    --train-num-threads 2 --cpu-engine-num-threads 1
+    --save "$OUT" --save-debug-rollout-data "$OUT/rollouts/rollout_{rollout_id}.pt"
+)
+python3 train.py "${ARGS[@]}" "$@"

@@ -1,0 +1,605 @@
+"""The trajectory proxy: an OpenAI-compatible endpoint in front of the engines that records each agent session
+token in / token out, so an agent written against any OpenAI client trains on exactly the tokens the model sampled.
+
+    proxy = TrajectoryProxy(tokenizer, api_key=engine_key)
+    await proxy.start()
+    session = proxy.open_session(engine_urls, sampling_params=params, max_turns=8, context_limit=4095)
+    await agent(proxy.base_url(session.session_id))  # e.g. openai.AsyncOpenAI(base_url=..., api_key="any")
+    sample = session_to_sample(proxy.close_session(session.session_id), sample)
+
+Routes, under `http://127.0.0.1:<port>/sessions/<session_id>/v1` (any API key is accepted):
+    POST /chat/completions   n=1; `stream: true` gets the finished turn as one buffered SSE stream
+    GET  /models
+
+Each turn's prompt is the session's tokens so far (the previous prompt and the ids the engine sampled, never
+re-tokenized) followed by `continuation_ids` of the messages added since (tool results, user turns). A request's
+history must extend the session's: the earlier messages unchanged and the model's replies sent back as returned
+(content and tool_calls); otherwise the answer is an error naming the first message that differs.
+
+Each session is pinned to one engine (the one with the fewest open sessions) and posted to directly, so it
+reuses that engine's prefix cache turn after turn. sglang-router 0.3.2 has a `manual` policy that pins an
+`X-SMG-Routing-Key` header to a worker, but only if the whole router runs `--router-policy manual` (the default
+cache_aware ignores the header), and it silently re-routes a key whose worker left the router.
+
+Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 404 `session_not_found`; 400
+`history_mismatch`, `max_turns_exceeded`, `context_length_exceeded`, `invalid_value`, `engine_rejected`;
+502 `engine_error`; 503 `aborted` (an engine aborted the turn; the session takes no more turns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from slime.agent.chat_turns import ChatTemplateError, content_text, continuation_ids, prompt_ids
+from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
+from slime.utils.tool_calls import parse_tool_calls
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+# A long conversation is one JSON body; aiohttp's default limit is 1 MiB.
+_MAX_BODY_BYTES = 256 * 2**20
+
+
+class ProxyError(Exception):
+    """A request the proxy answers with an OpenAI-shaped error."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+@dataclass
+class Turn:
+    """One model turn of a session.
+
+    Args:
+        prompt_ids: The whole prompt sent to the engine.
+        context_ids: The tokens added after the previous turn's output (template text and the new messages);
+            empty for the first turn, whose prompt is all context.
+        context_text: `context_ids` decoded.
+        output_ids: The engine's `output_ids`, as returned.
+        log_probs: The engine's log-prob of each output token.
+        text: The engine's text (stop token or string trimmed); the reply's content and tool calls come from it.
+        message: The assistant message the proxy replied with.
+        finish_reason: The engine's finish reason, "stop" or "length".
+        weight_version: The engine's weight version.
+        engine_seconds: How long the engine took.
+    """
+
+    prompt_ids: list[int]
+    context_ids: list[int]
+    context_text: str
+    output_ids: list[int]
+    log_probs: list[float]
+    text: str
+    message: dict[str, Any]
+    finish_reason: str
+    weight_version: str
+    engine_seconds: float
+
+
+@dataclass
+class Session:
+    """The state of one agent session.
+
+    Args:
+        session_id: Names the session in its URL.
+        engine_url: The engine every turn goes to.
+        sampling_params: SGLang sampling params used where a request sets none.
+        max_turns: Most model turns; the next request is refused (`max_turns_exceeded`).
+        context_limit: Most prompt + output tokens; `max_tokens` is lowered to fit, and a turn whose prompt
+            leaves no room is refused (`context_length_exceeded`).
+        turns: The model turns so far.
+        stop_reason: Why the session takes no more turns: "max_turns", "context_length" or "aborted"; None while
+            it does.
+    """
+
+    session_id: str
+    engine_url: str
+    sampling_params: dict[str, Any]
+    max_turns: int | None = None
+    context_limit: int | None = None
+    turns: list[Turn] = field(default_factory=list)
+    stop_reason: str | None = None
+    # Comparable keys of the conversation so far (the last request's messages and the reply).
+    history: list[tuple] = field(default_factory=list, repr=False)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The conversation's tokens so far: the last prompt and its output."""
+        return self.turns[-1].prompt_ids + self.turns[-1].output_ids if self.turns else []
+
+
+class TrajectoryProxy:
+    """OpenAI-compatible HTTP server (in the calling process's event loop) that records sessions.
+
+    Args:
+        tokenizer: The model's HF tokenizer; its chat template renders the messages.
+        api_key: The engines' API key (`--sglang-api-key`), sent as a bearer token; None when they need none.
+        request_timeout: Seconds one engine request may take (None: no limit).
+        model_name: The model id `GET /models` lists (default: the tokenizer's path).
+        host: Interface to listen on.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+        model_name: str | None = None,
+        host: str = "127.0.0.1",
+    ):
+        self.tokenizer = tokenizer
+        self.request_timeout = request_timeout
+        self.model_name = model_name or str(getattr(tokenizer, "name_or_path", "") or "model")
+        self.host = host
+        self.url: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._headers = bearer_headers(api_key)
+        self._sessions: dict[str, Session] = {}
+        self._open_per_engine: dict[str, int] = {}
+        self._starting: asyncio.Future | None = None
+        self._runner: web.AppRunner | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Listen on a free port of `host` (once; concurrent callers wait for the same start)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._serve())
+        await self._starting
+
+    async def _serve(self) -> None:
+        app = web.Application(middlewares=[_openai_errors], client_max_size=_MAX_BODY_BYTES)
+        app.router.add_post("/sessions/{session_id}/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/sessions/{session_id}/v1/models", self._models)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        # Port 0: the kernel picks a free port while we hold the socket, so nobody can take it first.
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((self.host, 0))
+        await web.SockSite(runner, sock).start()
+        self._runner, self.loop = runner, asyncio.get_running_loop()
+        self.url = f"http://{self.host}:{sock.getsockname()[1]}"
+        logger.info("trajectory proxy listening on %s", self.url)
+
+    async def stop(self) -> None:
+        """Stop serving; open sessions are dropped."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._runner, self._starting, self.url = None, None, None
+        self._sessions.clear()
+        self._open_per_engine.clear()
+
+    # ---- sessions -----------------------------------------------------------------------
+    def open_session(
+        self,
+        engine_urls: list[str],
+        sampling_params: dict[str, Any] | None = None,
+        max_turns: int | None = None,
+        context_limit: int | None = None,
+    ) -> Session:
+        """Open a session on the engine of `engine_urls` with the fewest open sessions (the first on a tie).
+
+        Args:
+            engine_urls: Base URLs of the engines, e.g. ["http://127.0.0.1:30000"].
+            sampling_params: SGLang sampling params (`max_new_tokens`, `temperature`, ...) for the fields a
+                request leaves out.
+            max_turns: Most model turns (None: no limit).
+            context_limit: Most prompt + output tokens of one turn (None: only the engine's limit).
+
+        Raises:
+            ValueError: `engine_urls` is empty.
+        """
+        if not engine_urls:
+            raise ValueError("no engine URLs to open a session on; the rollout manager sets args.rollout_engine_urls")
+        engine_url = min(engine_urls, key=lambda url: self._open_per_engine.get(url, 0)).rstrip("/")
+        session = Session(uuid.uuid4().hex, engine_url, dict(sampling_params or {}), max_turns, context_limit)
+        self._sessions[session.session_id] = session
+        self._open_per_engine[engine_url] = self._open_per_engine.get(engine_url, 0) + 1
+        return session
+
+    def base_url(self, session_id: str) -> str:
+        """The OpenAI `base_url` of a session (ends in /v1)."""
+        if self.url is None:
+            raise RuntimeError("the trajectory proxy is not running; await proxy.start() first")
+        return f"{self.url}/sessions/{session_id}/v1"
+
+    def close_session(self, session_id: str) -> Session:
+        """Forget a session (later requests to it get `session_not_found`) and return it.
+
+        Raises:
+            KeyError: No open session has this id.
+        """
+        session = self._sessions.pop(session_id)
+        self._open_per_engine[session.engine_url] -= 1
+        return session
+
+    # ---- routes -------------------------------------------------------------------------
+    def _session(self, request: web.Request) -> Session:
+        session_id = request.match_info["session_id"]
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise ProxyError(
+                404,
+                f"no open session {session_id!r}: it was never opened or has ended (the agent function returned); "
+                "use the base_url the agent was given while the agent runs",
+                "session_not_found",
+            )
+        return session
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._session(request)
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "slime"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ProxyError(400, "the request body is not JSON", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise ProxyError(400, "the request body must be a JSON object", "invalid_json")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ProxyError(400, "'messages' must be a non-empty list of messages", "invalid_value", "messages")
+        if body.get("n") not in (None, 1):
+            raise ProxyError(400, "n must be 1: a session records one trajectory", "invalid_value", "n")
+        keys = [_message_key(message, f"messages[{i}]") for i, message in enumerate(messages)]
+        async with session.lock:  # one turn at a time: a second concurrent request must see this one's reply
+            turn = await self._turn(session, messages, keys, body)
+        completion = _completion(session, turn, body.get("model") or self.model_name)
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            return await _stream(request, completion, bool(isinstance(options, dict) and options.get("include_usage")))
+        return web.json_response(completion)
+
+    async def _turn(self, session: Session, messages: list[dict], keys: list[tuple], body: dict) -> Turn:
+        if session.stop_reason is not None:
+            raise _stopped(session)
+        if session.max_turns is not None and len(session.turns) >= session.max_turns:
+            session.stop_reason = "max_turns"
+            raise _stopped(session)
+        start = _extension_start(session, keys)
+        tools = body.get("tools") or None
+        template_kwargs = body.get("chat_template_kwargs")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise ProxyError(400, "chat_template_kwargs must be an object", "invalid_value", "chat_template_kwargs")
+        try:
+            context: list[int] = []
+            if not session.turns:
+                prompt = prompt_ids(self.tokenizer, messages, tools, template_kwargs)
+            else:
+                for i in range(start, len(messages)):
+                    if keys[i][0] == "assistant":
+                        raise ProxyError(
+                            400,
+                            f"messages[{i}] is an assistant message the model did not write in this session; only "
+                            "the model's own replies may follow the first request (open a new session otherwise)",
+                            "history_mismatch",
+                            f"messages[{i}]",
+                        )
+                context = continuation_ids(
+                    self.tokenizer, session.turns[-1].output_ids, messages[start:], tools, template_kwargs
+                )
+                prompt = session.tokens + context
+        except ChatTemplateError as error:
+            raise ProxyError(400, str(error), "invalid_value", "messages") from None
+
+        params = _sampling_params(session.sampling_params, body)
+        if session.context_limit is not None:
+            room = session.context_limit - len(prompt)
+            if room < 1:
+                session.stop_reason = "context_length"
+                raise _stopped(session, f" ({len(prompt)} prompt tokens)")
+            params["max_new_tokens"] = min(params.get("max_new_tokens") or room, room)
+
+        started = time.monotonic()
+        output = await self._generate(session, prompt, params)
+        seconds = time.monotonic() - started
+        meta = output["meta_info"]
+        finish = meta["finish_reason"]["type"]
+        if finish == "abort":
+            session.stop_reason = "aborted"
+            raise _stopped(session)
+        triples = meta.get("output_token_logprobs") or []
+        sampled = [token_id for _, token_id, _ in triples]
+        output_ids = list(output.get("output_ids", sampled))
+        if sampled != output_ids:
+            raise ProxyError(
+                502, f"engine {session.engine_url} sent log-probs of other tokens than its output_ids", "engine_error"
+            )
+
+        text = output["text"]
+        content, calls = parse_tool_calls(text) if tools else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{session.session_id[:8]}_{len(session.turns)}_{i}",
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for i, call in enumerate(calls)
+            ]
+        turn = Turn(
+            prompt_ids=prompt,
+            context_ids=context,
+            context_text=self.tokenizer.decode(context),
+            output_ids=output_ids,
+            log_probs=[float(log_prob) for log_prob, _, _ in triples],
+            text=text,
+            message=message,
+            finish_reason=finish,
+            weight_version=str(meta.get("weight_version", "")),
+            engine_seconds=seconds,
+        )
+        session.turns.append(turn)
+        session.history = keys + [_message_key(message, "the reply")]
+        return turn
+
+    async def _generate(self, session: Session, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        url = f"{session.engine_url}/generate"
+        payload = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+        try:
+            return await async_post_json(url, payload, timeout=self.request_timeout, headers=self._headers)
+        except HTTPRequestError as error:
+            if error.status < 500:
+                raise ProxyError(
+                    400,
+                    f"engine {session.engine_url} refused the turn: {_engine_message(error.body)}",
+                    "engine_rejected",
+                ) from None
+            raise ProxyError(502, f"engine {session.engine_url} failed: {error}", "engine_error") from None
+        except (ConnectionError, asyncio.TimeoutError) as error:
+            raise ProxyError(502, f"engine {session.engine_url} did not answer: {error!r}", "engine_error") from None
+
+
+def session_to_sample(session: Session, sample: Sample) -> Sample:
+    """Write a session's trajectory into `sample` (its previous response, if any, is replaced) and return it.
+
+    tokens = the first prompt + each turn's context and output; loss_mask is 1 exactly on the sampled tokens and
+    rollout_log_probs is 0.0 on the others. status comes from the last turn's finish reason: TRUNCATED when a
+    budget stopped the session (`metadata["agent_stop_reason"]` says which), ABORTED when an engine aborted a
+    turn, FAILED when there was no turn (tokens are then empty).
+    """
+    sample.tokens, sample.response, sample.response_length = [], "", 0
+    sample.loss_mask = sample.rollout_log_probs = None
+    sample.weight_versions = []
+    sample.session_id = session.session_id
+    if session.stop_reason is not None:
+        sample.metadata = {**(sample.metadata or {}), "agent_stop_reason": session.stop_reason}
+    if session.stop_reason == "aborted":
+        sample.status = Status.ABORTED
+    elif not session.turns:
+        sample.status = Status.FAILED
+    elif session.stop_reason is not None:
+        sample.status = Status.TRUNCATED
+    else:
+        sample.status = Status.from_finish_reason(session.turns[-1].finish_reason)
+    if not session.turns:
+        return sample
+    sample.tokens = list(session.turns[0].prompt_ids)
+    for turn in session.turns:
+        if turn.context_ids:
+            sample.append_response(turn.context_ids, turn.context_text, None, trainable=False)
+        sample.append_response(turn.output_ids, turn.text, turn.log_probs)
+        sample.weight_versions.append(turn.weight_version)
+    return sample
+
+
+# ---- request helpers ------------------------------------------------------------------------
+def _message_key(message: Any, where: str) -> tuple:
+    """What two messages must share to be the same turn: role, text, and tool calls (name, parsed arguments)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ProxyError(400, f"{where} must be an object with a 'role'", "invalid_value", where)
+    try:
+        text = content_text(message.get("content"))
+    except ValueError as error:
+        raise ProxyError(400, f"{where}: {error}", "invalid_value", where) from None
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ProxyError(
+                400, f"{where}.tool_calls must be [{{'function': {{'name', 'arguments'}}}}]", "invalid_value", where
+            )
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass  # not JSON: compared as written
+        calls.append((function["name"], json.dumps(arguments, sort_keys=True)))
+    # Clients may trim the reply's whitespace; that does not change which turn it is.
+    return message["role"], text.strip() if message["role"] == "assistant" else text, tuple(calls)
+
+
+def _describe(key: tuple) -> str:
+    role, text, calls = key
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    return f"a {role} message {shown!r}" + (f" with tool calls {[name for name, _ in calls]}" if calls else "")
+
+
+def _extension_start(session: Session, keys: list[tuple]) -> int:
+    """Index of the first new message of a request, after checking that it extends the session's history."""
+    for i, (have, sent) in enumerate(zip(session.history, keys)):
+        if have != sent:
+            raise ProxyError(
+                400,
+                f"messages[{i}] does not extend session {session.session_id}: the session has {_describe(have)} there, "
+                f"the request {_describe(sent)}. Send the earlier messages unchanged and the model's replies as "
+                "returned (content and tool_calls), then the new messages.",
+                "history_mismatch",
+                f"messages[{i}]",
+            )
+    if len(keys) < len(session.history):
+        raise ProxyError(
+            400,
+            f"the request has {len(keys)} messages but session {session.session_id} already has {len(session.history)} "
+            f"(ending with the model's reply of turn {len(session.turns)}); send the whole history, that reply "
+            "included, followed by the new messages",
+            "history_mismatch",
+            "messages",
+        )
+    return len(session.history)
+
+
+def _stopped(session: Session, detail: str = "") -> ProxyError:
+    if session.stop_reason == "max_turns":
+        return ProxyError(
+            400,
+            f"session {session.session_id} has used its {session.max_turns} model turns (--max-turns); end the agent "
+            "loop and return its answer",
+            "max_turns_exceeded",
+        )
+    if session.stop_reason == "context_length":
+        return ProxyError(
+            400,
+            f"session {session.session_id} has reached the context limit of {session.context_limit} tokens{detail} "
+            "(--rollout-max-context-len or the engine's context length); end the agent loop and return its answer",
+            "context_length_exceeded",
+            "messages",
+        )
+    return ProxyError(
+        503,
+        f"engine {session.engine_url} aborted a turn of session {session.session_id} (a weight update or the end of "
+        "the rollout); the session takes no more turns and its sample goes back to the data source",
+        "aborted",
+    )
+
+
+def _sampling_params(defaults: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """SGLang sampling params of one request: the session's defaults, overridden by the request's fields."""
+    # The reply's content leaves out special tokens and the stop string, as OpenAI's does (the ids keep them).
+    params = {**defaults, "skip_special_tokens": True, "no_stop_trim": False}
+
+    def number(name: str, low: float, high: float) -> Any:
+        value = body.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high
+        ):
+            raise ProxyError(400, f"{name} must be a number in [{low}, {high}], got {value!r}", "invalid_value", name)
+        return value
+
+    if (temperature := number("temperature", 0, 100)) is not None:
+        params["temperature"] = temperature
+    if (top_p := number("top_p", 1e-9, 1)) is not None:
+        params["top_p"] = top_p
+    for name in ("seed", "max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "seed" else 1)
+        ):
+            raise ProxyError(
+                400, f"{name} must be an integer >= {0 if name == 'seed' else 1}, got {value!r}", "invalid_value", name
+            )
+    if body.get("seed") is not None:
+        params["sampling_seed"] = body["seed"]
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ProxyError(400, f"stop must be a string or a list of strings, got {stop!r}", "invalid_value", "stop")
+        params["stop"] = stops
+    return params
+
+
+def _engine_message(body: str) -> str:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return str(data.get("message", body)) if isinstance(data, dict) else body
+
+
+# ---- responses ------------------------------------------------------------------------------
+def _completion(session: Session, turn: Turn, model: str) -> dict[str, Any]:
+    usage = {
+        "prompt_tokens": len(turn.prompt_ids),
+        "completion_tokens": len(turn.output_ids),
+        "total_tokens": len(turn.prompt_ids) + len(turn.output_ids),
+    }
+    finish = "tool_calls" if turn.message.get("tool_calls") else turn.finish_reason
+    return {
+        "id": f"chatcmpl-{session.session_id}-{len(session.turns)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": turn.message, "finish_reason": finish, "logprobs": None}],
+        "usage": usage,
+    }
+
+
+async def _stream(request: web.Request, completion: dict[str, Any], include_usage: bool) -> web.StreamResponse:
+    """A finished completion as server-sent chunks: the whole message, the finish reason, usage if asked."""
+    head = {key: completion[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    [choice] = completion["choices"]
+    delta = {"role": "assistant", "content": choice["message"]["content"]}
+    if choice["message"].get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
+    chunks = [
+        head | {"choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]},
+        head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None}]},
+    ]
+    if include_usage:
+        chunks.append(head | {"choices": [], "usage": completion["usage"]})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for chunk in chunks:
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _error_response(error: ProxyError) -> web.Response:
+    body = {
+        "error": {
+            "message": error.message,
+            "type": "invalid_request_error" if error.status < 500 else "server_error",
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+    # OpenAI clients retry 5xx answers; a retried turn after an abort would only be aborted again.
+    headers = {"x-should-retry": "false"} if error.status == 503 else None
+    return web.json_response(body, status=error.status, headers=headers)
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProxyError as error:
+        return _error_response(error)
+    except web.HTTPException as error:  # no such route, or the wrong method
+        if error.status < 400:
+            raise
+        message = (
+            f"{request.method} {request.path} is not served here; a session serves POST "
+            "/sessions/<session_id>/v1/chat/completions and GET /sessions/<session_id>/v1/models"
+        )
+        return _error_response(
+            ProxyError(error.status, message, "not_found" if error.status == 404 else "invalid_method")
+        )
+    except Exception as error:
+        logger.exception("trajectory proxy: %s %s failed", request.method, request.path)
+        return _error_response(ProxyError(500, f"the trajectory proxy failed: {error!r}", "internal_error"))
