@@ -1,8 +1,15 @@
-"""One-step-ahead RL training: rollout k+1 is generated while the trainer trains on rollout k.
+"""Asynchronous RL training: generation and training run at the same time.
 
-Weights are pushed every `--update-weights-interval` rollouts, after the in-flight rollout has
-finished, so each batch is at most one update behind the policy that trains on it. Engines and
-trainer run at the same time, so they cannot share devices: `--colocate` is refused.
+With the default rollout, rollout k+1 is generated while the trainer trains on rollout k (one step
+ahead); weights are pushed every `--update-weights-interval` rollouts, after the in-flight rollout has
+finished, so each batch is at most one update behind the policy that trains on it.
+
+With `--rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async` a
+background loop generates all the time; each batch is asked for only when the trainer is about to
+train on it, after the push before it, so `--max-weight-staleness` judges it against the weights that
+train on it. A push interrupts generation only while it lasts.
+
+Engines and trainer run at the same time, so they cannot share devices: `--colocate` is refused.
 """
 
 from __future__ import annotations
@@ -29,10 +36,15 @@ def train(args) -> None:
         run.tracker.log(run.start_rollout_id, ray.get(manager.eval.remote(run.start_rollout_id)))
 
     next_batch = manager.generate.remote(run.start_rollout_id, run.dp_size)
+    in_background = None  # known once the first batch is back
     for rollout_id in range(run.start_rollout_id, run.num_rollout):
         step_started = time.time()
         batch = ray.get(next_batch)
-        if rollout_id + 1 < run.num_rollout:
+        waited = time.time() - step_started
+        if in_background is None:
+            in_background = ray.get(manager.generates_in_background.remote())
+        has_next = rollout_id + 1 < run.num_rollout
+        if has_next and not in_background:
             next_batch = manager.generate.remote(rollout_id + 1, run.dp_size)
 
         metrics = dict(batch.metrics)
@@ -40,11 +52,14 @@ def train(args) -> None:
         if should_run_periodic_action(rollout_id, args.save_interval, run.num_rollout_per_epoch, run.num_rollout):
             save_checkpoint(run, rollout_id)
         if (rollout_id + 1) % args.update_weights_interval == 0:
-            if rollout_id + 1 < run.num_rollout:
-                ray.wait([next_batch])  # never swap weights under a running generation
+            if has_next and not in_background:
+                ray.wait([next_batch])  # never swap weights under a running one-step-ahead rollout
             metrics |= update_weights(run)
         if should_run_periodic_action(rollout_id, args.eval_interval, run.num_rollout_per_epoch):
             metrics |= ray.get(manager.eval.remote(rollout_id))
+        if has_next and in_background:
+            next_batch = manager.generate.remote(rollout_id + 1, run.dp_size)
+        metrics["perf/trainer_wait_time"] = waited  # the trainer idle, waiting for its batch
         metrics["perf/step_time"] = time.time() - step_started
         run.tracker.log(rollout_id, metrics)
 

@@ -325,4 +325,6 @@ def test_agent_flags_are_checked_at_parse_time():
         parse_args(BASE_ARGV + both)
     with pytest.raises(ArgumentValidationError, match="--max-turns"):
         parse_args(BASE_ARGV + ["--agent-function-path", "a.agent", "--max-turns", "0"])
+    with pytest.raises(ArgumentValidationError, match="would template the prompt twice"):
+        parse_args(BASE_ARGV + ["--agent-function-path", "a.agent", "--apply-chat-template"])
     assert parse_args(BASE_ARGV + ["--agent-function-path", "a.agent"]).max_turns == 8

@@ -36,6 +36,7 @@ class TrainingRun:
     start_rollout_id: int
     num_rollout: int
     num_rollout_per_epoch: int
+    weight_version: int = 0  # the trainer labels its n-th weight push n (version 0: nothing pushed yet)
 
     @property
     def dp_size(self) -> int:
@@ -82,6 +83,7 @@ def create_training_run(args) -> TrainingRun:
 
     actor = critic = None
     start_rollout_id = args.start_rollout_id or 0
+    weight_version = 0
     if not args.debug_rollout_only:
         actor = RayTrainGroup(args, slices["actor"], role="actor")
         critic = RayTrainGroup(args, slices["actor"], role="critic") if args.use_critic else None
@@ -100,6 +102,8 @@ def create_training_run(args) -> TrainingRun:
             if args.offload_rollout:
                 ray.get(rollout_manager.onload.remote())
             actor.update_weights()
+            weight_version = 1
+            ray.get(rollout_manager.set_trainer_weight_version.remote(weight_version))
     elif args.load:
         ray.get(rollout_manager.load.remote(resume_step))
 
@@ -112,6 +116,7 @@ def create_training_run(args) -> TrainingRun:
         start_rollout_id=start_rollout_id,
         num_rollout=num_rollout,
         num_rollout_per_epoch=num_rollout_per_epoch,
+        weight_version=weight_version,
     )
 
 
@@ -130,7 +135,8 @@ def train_one_rollout(run: TrainingRun, rollout_id: int, data_refs: list) -> dic
 
 
 def update_weights(run: TrainingRun) -> dict[str, float]:
-    """Push the trainer's weights to the engines, including engines restarted by `--use-fault-tolerance`.
+    """Push the trainer's weights to the engines, including engines restarted by `--use-fault-tolerance`, and tell
+    the rollout manager the new weight version (the fully async rollout's staleness is measured against it).
 
     A restarted engine is not in the trainer's weight-update links yet (a broadcast group is formed
     with the engines it had) and still holds the checkpoint's weights: the trainer reconnects to the
@@ -143,6 +149,8 @@ def update_weights(run: TrainingRun) -> dict[str, float]:
         engines, engine_urls = ray.get([manager.get_engines.remote(), manager.get_engine_urls.remote()])
         run.actor.connect_rollout_engines(engines, engine_urls)
     run.actor.update_weights()
+    run.weight_version += 1
+    ray.get(manager.set_trainer_weight_version.remote(run.weight_version))
     if not restarted:
         return {}
     gap = run.actor.check_weights_equal()

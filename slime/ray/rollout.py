@@ -33,6 +33,7 @@ from slime.backends.sglang_utils.router import (
 )
 from slime.ray.engine_health import EngineHealthMonitor
 from slime.ray.placement_group import PlacementSlice
+from slime.rollout import fully_async_rollout
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import compute_num_rollout
 from slime.rollout.rm_hub import pop_reward_metrics
@@ -429,7 +430,8 @@ class RolloutManager:
     def generate(self, rollout_id: int, dp_size: int = 1) -> RolloutBatch:
         """Run one training rollout and return per-rank train data refs and metrics."""
         started = time.time()
-        if hasattr(self.data_source, "state_dict"):
+        # A fully async rollout's loop draws from the data source on its own thread meanwhile: `save` asks it instead.
+        if hasattr(self.data_source, "state_dict") and fully_async_rollout.current_worker() is None:
             self.state_before_rollout = (rollout_id, copy.deepcopy(self.data_source.state_dict()))
         args = self.args
         if args.load_debug_rollout_data:
@@ -465,6 +467,16 @@ class RolloutManager:
         if args.save_debug_train_data:
             self._save_debug_train_data(rollout_id, shards)
         return RolloutBatch(rollout_id, [ray.put(shard) for shard in shards], metrics)
+
+    def generates_in_background(self) -> bool:
+        """True once the rollout function runs a background generation loop (the fully async rollout): the
+        driver then asks for each batch only when it is about to train on it."""
+        return fully_async_rollout.current_worker() is not None
+
+    def set_trainer_weight_version(self, version: int) -> None:
+        """Tell the rollout function the weight version the trainer trains from (the driver calls it after each
+        push); the fully async rollout measures staleness against it (`args.trainer_weight_version`)."""
+        fully_async_rollout.set_trainer_weight_version(self.args, version)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         """Run every eval set; returns `eval/<name>` mean reward and truncation rate."""
@@ -530,8 +542,15 @@ class RolloutManager:
         """Save the data source as it stood when rollout `rollout_id` was complete.
 
         train_async.py draws rollout k+1 before it saves step k, so the state from before that
-        draw is saved then; a resumed run redraws rollout k+1's prompts.
+        draw is saved then; a resumed run redraws rollout k+1's prompts. A fully async rollout's groups
+        not handed to the trainer yet (in flight or finished) are put back into the saved state as fresh
+        prompts, so a resumed run generates them again.
         """
+        worker = fully_async_rollout.current_worker()
+        if worker is not None:
+            with worker.held_draws() as untrained:
+                fully_async_rollout.save_data_source(self.data_source, rollout_id, untrained)
+            return
         drawn_next = self.state_before_rollout is not None and self.state_before_rollout[0] == rollout_id + 1
         if not drawn_next:
             self.data_source.save(rollout_id)
@@ -557,7 +576,8 @@ class RolloutManager:
             self.monitor.resume()
 
     def dispose(self) -> None:
-        """Stop engines and router; leaves no process behind."""
+        """Stop the rollout's background loop, engines and router; leaves no process behind."""
+        fully_async_rollout.stop_worker()
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None

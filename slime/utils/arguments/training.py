@@ -51,6 +51,20 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="Push weights to the engines every this many rollouts (train_async.py).",
     )
     group.add_argument(
+        "--max-weight-staleness",
+        type=int,
+        default=None,
+        help="Fully async rollout: train no prompt group whose oldest token was sampled more than this many weight "
+        "pushes before the weights being trained (0: on-policy); see --staleness-policy. Default: unbounded.",
+    )
+    group.add_argument(
+        "--staleness-policy",
+        choices=["drop", "regenerate"],
+        default="drop",
+        help="What becomes of a group over --max-weight-staleness: drop (its prompts go back to the data source) "
+        "or regenerate (generated again at once under the current weights).",
+    )
+    group.add_argument(
         "--release-train",
         action="store_true",
         help="Kill the train actors after each step and recreate them from the checkpoint.",

@@ -17,7 +17,7 @@ from slime.algorithms.policy_losses import loss_kind
 from slime.utils.arguments.algorithm import _estimator
 from slime.utils.arguments.checkpoint import _validate_output_folders
 from slime.utils.arguments.errors import _fail
-from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH
+from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.utils.eval_config import load_eval_config
 
 # One logger for the whole parser, named as before the split into modules (log lines show the name).
@@ -269,6 +269,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_engine_limits(args)
     _validate_flag_uses(args)
     _validate_agent(args)
+    _validate_fully_async(args)
     return args
 
 
@@ -277,6 +278,11 @@ def _validate_agent(args: argparse.Namespace) -> None:
         _fail(
             "--agent-function-path and --custom-generate-function-path both replace the generation of a sample; "
             "pass one of them (a custom generate function can drive its own multi-turn loop)."
+        )
+    if args.agent_function_path and args.apply_chat_template:
+        _fail(
+            "--agent-function-path: the agent sends chat messages and the trajectory proxy applies the chat template "
+            "to them, so --apply-chat-template would template the prompt twice; drop --apply-chat-template."
         )
     if args.max_turns < 1:
         _fail(f"--max-turns is the most model turns of one sample and must be at least 1 (got {args.max_turns}).")
@@ -378,3 +384,31 @@ def _validate_flag_uses(args: argparse.Namespace) -> None:
         if args.attention_backend == "flash" and importlib.util.find_spec("flash_attn") is None:
             _fail("--attention-backend flash needs the flash-attn package; install it or drop the flag (sdpa).")
 
+
+def _validate_fully_async(args: argparse.Namespace) -> None:
+    fully_async = args.rollout_function_path.endswith("generate_rollout_fully_async")
+    if fully_async and args.colocate:
+        _fail(
+            f"--rollout-function-path {args.rollout_function_path} generates while the trainer trains, so engines "
+            "and trainer cannot share devices: drop --colocate."
+        )
+    bound = args.max_weight_staleness
+    if fully_async and args.keep_old_actor and (bound is None or bound > 1):
+        _fail(
+            "--keep-old-actor keeps the weights of the last two pushes, so with the fully async rollout it needs "
+            "--max-weight-staleness 0 or 1 (no sample older than the previous push)."
+        )
+    if bound is None:
+        if args.staleness_policy != "drop":
+            _fail(f"--staleness-policy {args.staleness_policy} needs --max-weight-staleness (the bound it enforces).")
+        return
+    if bound < 0:
+        _fail(f"--max-weight-staleness is a number of weight pushes and must be at least 0 (got {bound}).")
+    if args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION_PATH:
+        _fail(
+            "--max-weight-staleness bounds the fully async rollout; the default rollout generates each batch with "
+            "the current weights. Add --rollout-function-path "
+            "slime.rollout.fully_async_rollout.generate_rollout_fully_async (with train_async.py), or drop it."
+        )
+    if args.debug_rollout_only:
+        _fail("--max-weight-staleness counts the trainer's weight pushes, and --debug-rollout-only has no trainer.")
