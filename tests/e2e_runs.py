@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from slime.utils.types import Sample
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
@@ -42,3 +46,17 @@ def rollout_rows(save_dir: Path) -> list[dict]:
     """The rows of `save_dir/metrics.jsonl` that describe a training rollout."""
     rows = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
     return [row for row in rows if "rollout/reward" in row]
+
+
+def run_training(script: str, save_dir: Path, *flags: str, timeout: float = 420) -> list[dict]:
+    """`run_driver_script`, failing the test with the tails of its output unless it exits 0; returns the
+    `rollout_rows` of `save_dir` (where `flags` save)."""
+    result = run_driver_script(script, *flags, timeout=timeout)
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return rollout_rows(save_dir)
+
+
+def saved_samples(save_dir: Path, rollout_id: int) -> list[Sample]:
+    """The samples of rollout `rollout_id` that `small_run_flags`' `--save-debug-rollout-data` wrote."""
+    saved = torch.load(save_dir / "rollouts" / f"rollout_{rollout_id}.pt", weights_only=False)
+    return [Sample.from_dict(d) for d in saved["samples"]]

@@ -1,4 +1,4 @@
-"""A real CPU engine server process for tests that sync weights into it."""
+"""A real CPU engine server process for tests: started on a free port, stopped when the test is done."""
 
 from __future__ import annotations
 
@@ -18,22 +18,30 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def cpu_engine_process(model_dir: str | Path) -> Iterator[tuple[EngineClient, str]]:
-    """`python -m slime.backends.cpu_engine` on a free port with one thread; yields (client, base URL)."""
+def engine_server(model_dir: str | Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`python -m slime.backends.cpu_engine` on a free port with one thread and `flags`; yields (process, base URL)
+    once it is healthy, and stops it on exit."""
     port = find_free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", str(model_dir)]
-    process = subprocess.Popen([*command, "--port", str(port), "--num-threads", "1"], cwd=REPO_ROOT, env=env)
+    process = subprocess.Popen([*command, "--port", str(port), "--num-threads", "1", *flags], cwd=REPO_ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(f"{url}/health", 120, process=process)
-        yield EngineClient(url), url
+        yield process, url
     finally:
         process.terminate()
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@contextlib.contextmanager
+def cpu_engine_process(model_dir: str | Path, *flags: str) -> Iterator[tuple[EngineClient, str]]:
+    """`engine_server` with a client for it; yields (client, base URL)."""
+    with engine_server(model_dir, *flags) as (_, url):
+        yield EngineClient(url), url
 
 
 def engine_prompt_log_probs(client: EngineClient, tokens: list[int]) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import time
@@ -50,3 +52,29 @@ def exit_trainer_once_in_rollout_1(args, rollout_id, data):
     if rollout_id == 1 and not marker.exists():
         marker.write_text("")
         os._exit(1)
+
+
+def _driver_process() -> psutil.Process:
+    """The train.py / train_async.py process above this one (a local Ray cluster's processes descend from it)."""
+    for process in psutil.Process().parents():
+        if any(Path(part).name in ("train.py", "train_async.py") for part in process.cmdline()):
+            return process
+    raise RuntimeError("no train.py or train_async.py process among the ancestors of this process")
+
+
+def kill_driver_once_in_rollout_2(args, rollout_id, data):
+    """--rollout-data-postprocess-path hook: SIGKILL the driver while rollout 2 trains, once per --save folder.
+
+    It first writes `{--save}/killed_job.json`: [pid, create time] of the driver and of every process under it
+    (Ray's, the trainers', the engines'), so a test can check that the whole job goes with the driver.
+    """
+    record = Path(args.save) / "killed_job.json"
+    if rollout_id != 2 or record.exists():
+        return
+    driver = _driver_process()
+    job = []
+    for process in [driver, *driver.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that ends meanwhile is no longer part of the job
+            job.append([process.pid, process.create_time()])
+    record.write_text(json.dumps(job))
+    _kill_and_wait(driver.pid)

@@ -12,9 +12,6 @@ import copy
 import http.client
 import os
 import pickle
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,53 +20,21 @@ import pytest
 import requests
 import torch
 import torch.distributed as dist
+from engine_process import engine_server
 from tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.backends.cpu_engine import ServerArgs, launch_server
+from slime.utils.http_utils import find_free_port
 from slime.utils.weight_transport import init_process_group_like_sglang, serialize_named_tensors
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_IDS = [264, 224, 303, 296, 272]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", str(model_dir), "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--num-threads", "1", *flags], cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        assert proc.poll() is None, f"engine exited with code {proc.returncode}"
-        try:
-            if requests.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("engine did not become healthy in 120 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir, "--max-running-requests", "16")
-    yield url
-    stop_server(proc)
+    with engine_server(tiny_model_dir, "--max-running-requests", "16") as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -691,7 +656,7 @@ def test_crafted_pickle_payload_is_refused(server, tmp_path):
 def test_update_weights_from_distributed_over_gloo(server, ref_model, tiny_model_dir, restore_weights):
     state = _perturbed_state(ref_model, seed=2)
     expected = naive_greedy(_model_with(tiny_model_dir, state), PROMPT_IDS, 12)
-    port, group_name = free_port(), "test-broadcast"
+    port, group_name = find_free_port(), "test-broadcast"
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(
             requests.post,
@@ -776,8 +741,7 @@ def larger_model_dir(tmp_path_factory):
 
 
 def test_release_and_resume_memory(larger_model_dir):
-    proc, url = start_server(larger_model_dir)
-    try:
+    with engine_server(larger_model_dir) as (proc, url):
         model = AutoModelForCausalLM.from_pretrained(larger_model_dir, dtype=torch.float32)
         param_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         # Weights that exist only in memory must survive a release: push a perturbation first.
@@ -801,8 +765,6 @@ def test_release_and_resume_memory(larger_model_dir):
         response = requests.post(f"{url}/resume_memory_occupation", json={"tags": ["weights"]})
         assert response.status_code == 200 and response.json()["success"] is True
         assert greedy(url, PROMPT_IDS, 8)["output_ids"] == expected
-    finally:
-        stop_server(proc)
 
 
 def test_release_is_refused_while_requests_are_in_flight(server):

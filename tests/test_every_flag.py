@@ -97,7 +97,7 @@ def test_tables_name_registered_flags_and_say_why():
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        (["--use-opd"], "on-policy distillation is not implemented"),
+        (["--opd-type", "megatron", "--use-opd"], "a teacher loaded in the trainer"),
         (["--update-weight-transport", "disk"], "disk weight sync is not implemented"),
         (["--update-weight-mode", "delta"], "delta weight sync is not implemented"),
         (["--rollout-external-engine-addrs", "10.0.0.1:30000"], "engines started outside slime"),

@@ -5,8 +5,8 @@ import sys
 from argparse import Namespace
 
 import pytest
-import torch
-from e2e_runs import REPO, rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
+from chat_templates import use_llama3_template
+from e2e_runs import REPO, run_training, saved_samples, small_run_flags, write_addition_prompts
 from transformers import AutoTokenizer
 
 from slime.rollout.rm_hub.last_number import compute_last_number_reward
@@ -16,12 +16,6 @@ EXAMPLE = REPO / "examples" / "multi_agent"
 sys.path.insert(0, str(EXAMPLE))
 import agent_system  # noqa: E402
 
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
 MESSAGE = "You are the reviewer. The solver answered: 7\nCheck the solution, correct it if it is wrong, and end with the final answer."
 
 
@@ -50,9 +44,7 @@ def test_reviewer_turn_follows_the_chatml_layout(tokenizer):
 
 
 def test_reviewer_turn_follows_the_llama3_layout(tiny_model_dir):
-    llama = AutoTokenizer.from_pretrained(tiny_model_dir)
-    llama.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
-    llama.chat_template = LLAMA3_TEMPLATE
+    llama = use_llama3_template(AutoTokenizer.from_pretrained(tiny_model_dir))
     expected = f"<|start_header_id|>user<|end_header_id|>\n\n{MESSAGE}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     assert turn_text(llama, "so 7", "<|eot_id|>") == expected
     assert turn_text(llama, "so 7") == "<|eot_id|>" + expected
@@ -103,12 +95,10 @@ def test_train_py_trains_on_solver_and_reviewer_turns(tiny_model_dir, tmp_path, 
     monkeypatch.setenv("PYTHONPATH", str(EXAMPLE))
     prompts = write_addition_prompts(tmp_path / "train.jsonl")
     save = tmp_path / "run"
-    result = run_driver_script(
-        "train.py", *small_run_flags(tiny_model_dir, prompts, save), "--num-rollout", "2",
+    history = run_training(
+        "train.py", save, *small_run_flags(tiny_model_dir, prompts, save), "--num-rollout", "2",
         "--custom-generate-function-path", "agent_system.generate", "--custom-rm-path", "agent_system.reward_func",
     )  # fmt: skip
-    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    history = rollout_rows(save)
     assert [h["rollout_id"] for h in history] == [0, 1] and all("train/loss" in h for h in history)
     # The trainer recomputes the sampled tokens' log-probs on the one-trajectory sequence: they match the
     # engines' only if the reviewer saw exactly that sequence (prompt, solver answer, reviewer turn).
@@ -116,8 +106,7 @@ def test_train_py_trains_on_solver_and_reviewer_turns(tiny_model_dir, tmp_path, 
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for rollout_id in (0, 1):
-        saved = torch.load(save / "rollouts" / f"rollout_{rollout_id}.pt", weights_only=False)
-        samples = [Sample.from_dict(d) for d in saved["samples"]]
+        samples = saved_samples(save, rollout_id)
         assert len(samples) == 4  # n_samples_per_prompt samples per prompt: GRPO groups stay whole
         for s in samples:
             assert tokenizer.decode(s.tokens[: -s.response_length]) == s.prompt  # templated by the data source

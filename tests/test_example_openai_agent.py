@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from e2e_runs import REPO, rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
+from e2e_runs import REPO, run_training, saved_samples, small_run_flags, write_addition_prompts
 from engine_process import cpu_engine_process
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -159,12 +159,10 @@ def test_train_py_trains_on_agent_sessions(tiny_model_dir, tmp_path, monkeypatch
     save = tmp_path / "run"
     # The agent sends chat messages and the proxy templates them: the prompts stay plain text.
     flags = [flag for flag in small_run_flags(tiny_model_dir, prompts, save) if flag != "--apply-chat-template"]
-    result = run_driver_script(
-        "train.py", *flags, "--num-rollout", "2",
+    history = run_training(
+        "train.py", save, *flags, "--num-rollout", "2",
         "--agent-function-path", "agent.run", "--custom-rm-path", "reward.reward_func",
     )  # fmt: skip
-    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    history = rollout_rows(save)
     assert [h["rollout_id"] for h in history] == [0, 1] and all("train/loss" in h for h in history)
     # The trainer's log-probs of the sampled tokens match the engine's: the session is trained token for token.
     assert all(h["train/train_rollout_logprob_max_abs_diff"] <= 1e-4 for h in history)
@@ -172,8 +170,7 @@ def test_train_py_trains_on_agent_sessions(tiny_model_dir, tmp_path, monkeypatch
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     reminder = f"\n<|im_start|>user\n{agent.REMINDER}<|im_end|>\n<|im_start|>assistant\n"
     for rollout_id in (0, 1):
-        saved = torch.load(save / "rollouts" / f"rollout_{rollout_id}.pt", weights_only=False)
-        samples = [Sample.from_dict(d) for d in saved["samples"]]
+        samples = saved_samples(save, rollout_id)
         assert len(samples) == 4
         for s in samples:
             first = agent.first_messages(s.prompt)

@@ -7,9 +7,8 @@ import sys
 from argparse import Namespace
 
 import pytest
-import torch
-from e2e_runs import REPO, rollout_rows, run_driver_script, small_run_flags
-from test_multi_turn import teach_tiny_model
+from e2e_runs import REPO, run_training, saved_samples, small_run_flags
+from tiny_model import teach_tiny_model
 from transformers import AutoTokenizer
 
 from slime.agent.sandbox import SandboxLimits
@@ -89,14 +88,12 @@ def test_train_py_runs_code_and_answers(tiny_model_dir, tmp_path, monkeypatch):
     data = tmp_path / "math.jsonl"
     data.write_text((json.dumps(row) + "\n") * 2)
     save = tmp_path / "run"
-    result = run_driver_script(
-        "train.py", *small_run_flags(model, data, save), "--num-rollout", "2",
+    history = run_training(
+        "train.py", save, *small_run_flags(model, data, save), "--num-rollout", "2",
         "--custom-generate-function-path", "generate_with_retool.generate",
         "--custom-rm-path", "generate_with_retool.reward_func",
         "--max-turns", "2", "--rollout-max-response-len", "32", "--rollout-temperature", "0.1",
     )  # fmt: skip
-    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    history = rollout_rows(save)
     assert [h["rollout_id"] for h in history] == [0, 1] and [h["rollout/reward"] for h in history] == [1.0, 1.0]
     assert all(h["train/train_rollout_logprob_max_abs_diff"] <= 1e-4 for h in history)
 
@@ -105,8 +102,7 @@ def test_train_py_runs_code_and_answers(tiny_model_dir, tmp_path, monkeypatch):
 
     expected_mask = [1] * len(ids(code)) + [0] * len(ids(output)) + [1] * len(ids(answer))
     for rollout_id in (0, 1):
-        saved = torch.load(save / "rollouts" / f"rollout_{rollout_id}.pt", weights_only=False)
-        samples = [Sample.from_dict(d) for d in saved["samples"]]
+        samples = saved_samples(save, rollout_id)
         assert len(samples) == 4
         for s in samples:
             assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length

@@ -6,9 +6,8 @@ import json
 import sys
 
 import pytest
-import torch
-from e2e_runs import REPO, rollout_rows, run_driver_script, small_run_flags
-from test_multi_turn import teach_tiny_model
+from e2e_runs import REPO, run_training, saved_samples, small_run_flags
+from tiny_model import teach_tiny_model
 from transformers import AutoTokenizer
 
 from slime.agent.multi_turn import extract_tag
@@ -87,14 +86,12 @@ def test_train_py_searches_reads_and_answers(tiny_model_dir, tmp_path, monkeypat
     data = tmp_path / "qa.jsonl"
     data.write_text((json.dumps(row) + "\n") * 2)
     save = tmp_path / "run"
-    result = run_driver_script(
-        "train.py", *small_run_flags(model, data, save), "--num-rollout", "2",
+    history = run_training(
+        "train.py", save, *small_run_flags(model, data, save), "--num-rollout", "2",
         "--custom-generate-function-path", "generate_with_search.generate",
         "--custom-rm-path", "generate_with_search.reward_func",
         "--max-turns", "2", "--rollout-max-response-len", "48", "--rollout-temperature", "0.1",
     )  # fmt: skip
-    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    history = rollout_rows(save)
     assert [h["rollout_id"] for h in history] == [0, 1] and [h["rollout/reward"] for h in history] == [1.0, 1.0]
     # The trainer's log-probs of the sampled tokens match the engine's only if each turn saw this very sequence.
     assert all(h["train/train_rollout_logprob_max_abs_diff"] <= 1e-4 for h in history)
@@ -104,8 +101,7 @@ def test_train_py_searches_reads_and_answers(tiny_model_dir, tmp_path, monkeypat
 
     expected_mask = [1] * len(ids(search)) + [0] * len(ids(information)) + [1] * len(ids(answer))
     for rollout_id in (0, 1):
-        saved = torch.load(save / "rollouts" / f"rollout_{rollout_id}.pt", weights_only=False)
-        samples = [Sample.from_dict(d) for d in saved["samples"]]
+        samples = saved_samples(save, rollout_id)
         assert len(samples) == 4
         for s in samples:
             assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length

@@ -7,7 +7,7 @@ from argparse import Namespace
 
 import pytest
 import torch
-from e2e_runs import REPO, rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
+from e2e_runs import REPO, run_training, small_run_flags, write_addition_prompts
 
 from slime.utils.arguments import parse_args
 
@@ -111,13 +111,11 @@ def test_train_py_with_mis_yaml_logs_finite_mismatch_metrics(tiny_model_dir, tmp
     monkeypatch.setenv("PYTHONPATH", str(EXAMPLE))
     prompts = write_addition_prompts(tmp_path / "train.jsonl")
     save = tmp_path / "run"
-    result = run_driver_script(
-        "train.py", *small_run_flags(tiny_model_dir, prompts, save), "--num-rollout", "2",
+    history = run_training(
+        "train.py", save, *small_run_flags(tiny_model_dir, prompts, save), "--num-rollout", "2",
         "--custom-config-path", str(EXAMPLE / "mis.yaml"),
         "--custom-rm-path", "e2e_rewards.alternating_reward",  # non-zero advantages: the weighted loss has a gradient
     )  # fmt: skip
-    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    history = rollout_rows(save)
     assert [h["rollout_id"] for h in history] == [0, 1]
     keys = ["train_rollout_logprob_abs_diff", "train_rollout_logprob_max_abs_diff", "train_rollout_kl"]
     keys += ["mis_ratio_mean", "mis_masked_fraction", "mis_veto_fraction", "tis_clipfrac"]

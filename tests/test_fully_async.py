@@ -1,15 +1,29 @@
 """The fully async rollout: staleness bound, exactly-once bookkeeping, the background loop against a real CPU
-engine (weight pushes included), and two train_async.py runs checked from their dumped per-sample versions."""
+engine (weight pushes included), partial rollouts continued under new weights (checked against HF forward passes
+of both weights), two train_async.py runs checked from their dumped per-sample versions, and a train_async.py run
+killed with SIGKILL and resumed with --load."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import copy
+import functools
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
-from e2e_runs import rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
+from e2e_runs import REPO, TESTS, rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
 from engine_process import cpu_engine_process
+from tiny_model import build_tiny_model
+from transformers import AutoModelForCausalLM
 
 from slime.rollout import fully_async_rollout, sglang_rollout
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer
@@ -20,6 +34,7 @@ from slime.rollout.fully_async_rollout import (
     split_stale,
     staleness_metrics,
 )
+from slime.utils import run_dir
 from slime.utils.arguments import ArgumentValidationError, parse_args
 from slime.utils.types import Sample, Status
 
@@ -168,6 +183,7 @@ def engine(tiny_model_dir):
 def loop_args(tiny_model_dir, prompt_file, tmp_path, engine):
     """Arguments factory for a worker talking to the engine directly (the engine speaks /generate itself)."""
     client, url = engine
+    idle(client)
     client.update_weights_from_disk(str(tiny_model_dir), weight_version="1")
     sglang_rollout._STATE = None  # the default rollout keeps its tokenizer and hooks per process
 
@@ -181,6 +197,13 @@ def loop_args(tiny_model_dir, prompt_file, tmp_path, engine):
     yield make
     fully_async_rollout.stop_worker()
     sglang_rollout._STATE = None
+    idle(client)
+
+
+def idle(client) -> None:
+    """Abort what the engine still runs for an earlier test, so that the next one sees only its own requests."""
+    client.abort_request(abort_all=True)
+    wait_for(lambda: client.get_server_info()["internal_states"][0]["num_total_reqs"] == 0)
 
 
 def push(client, model_dir, version: int, args) -> None:
@@ -235,8 +258,86 @@ def test_loop_hands_out_only_fresh_groups_and_loses_none(tiny_model_dir, engine,
     assert all(d["response_length"] == 0 and d["status"] == "pending" for g in saved["buffer"] for d in g)
 
 
+@pytest.fixture(scope="module")
+def new_weights_dir(tmp_path_factory):
+    """Other random weights of the tiny model's shape: what the pushes of the partial-rollout tests change to."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama_new_weights"), arch="llama", seed=1)
+
+
+@functools.cache
+def hf_model(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def forward_log_probs(model_dir, tokens: list[int]) -> torch.Tensor:
+    """log p(tokens[i] | tokens[:i]) for every i >= 1 by a plain HF forward pass (temperature 1, as sampled)."""
+    with torch.no_grad():
+        logits = hf_model(str(model_dir))(torch.tensor([tokens])).logits[0, :-1]
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
+def check_continued(sample: Sample, old_part: int, old_dir, new_dir, masked: bool) -> None:
+    """A partial response of `old_part` tokens continued under new weights: tokens are prompt + old + new part, the
+    old part is masked iff `masked`, and each part's rollout log-probs are a forward pass of the weights that
+    sampled it."""
+    new_part = sample.response_length - old_part
+    assert new_part > 0 and sample.weight_versions == ["1", "2"], (old_part, sample.weight_versions)
+    assert len(sample.tokens) == sample.prompt_length + old_part + new_part
+    assert sample.loss_mask == [0 if masked else 1] * old_part + [1] * new_part
+    response = slice(sample.prompt_length - 1, None)  # the entries of forward_log_probs that score response tokens
+    old, new = forward_log_probs(old_dir, sample.tokens)[response], forward_log_probs(new_dir, sample.tokens)[response]
+    rollout = torch.tensor(sample.rollout_log_probs)
+    torch.testing.assert_close(rollout[:old_part], old[:old_part], atol=1e-4, rtol=0)
+    torch.testing.assert_close(rollout[old_part:], new[old_part:], atol=1e-4, rtol=0)
+    assert (old[old_part:] - new[old_part:]).abs().max() > 1e-2  # the two weights tell the parts apart
+
+
 @pytest.mark.slow
-def test_push_aborts_requests_which_continue_as_partial_rollouts(tiny_model_dir, engine, loop_args):
+@pytest.mark.parametrize("masked", [True, False], ids=["mask-offpolicy", "no-mask"])
+def test_aborted_group_goes_back_with_its_partial_response_and_continues_under_new_weights(
+    tiny_model_dir, new_weights_dir, engine, loop_args, masked
+):
+    """The default rollout with --partial-rollout: a push aborts the groups in flight; they go back to the data
+    source with their partial responses (and into its checkpoint), and the next rollout continues them."""
+    client, _ = engine
+    mask = ["--mask-offpolicy-in-partial-rollout"] if masked else []
+    args = loop_args("--rollout-max-response-len", "160", "--over-sampling-batch-size", "2", "--partial-rollout", *mask)
+    source = RolloutDataSourceWithBuffer(args)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(sglang_rollout.generate_rollout, args, 0, source)
+        wait_for(lambda: client.get_server_info()["internal_states"][0]["num_running_reqs"] > 0)
+        push(client, new_weights_dir, 2, args)
+        first = first.result(timeout=120)
+    # The aborted groups went back, others took their places: every group drawn is in one place, none in two.
+    back = group_indices(source.buffer)
+    assert sorted(group_indices(first.samples) + back) == list(range(source.sample_group_index))
+    partial = {s.index: copy.deepcopy(s) for g in source.buffer for s in g if s.response_length > 0}
+    assert partial, "no aborted sample went back with its partial response (or the push came after they finished)"
+    for s in partial.values():
+        assert (s.status, s.reward, s.weight_versions) == (Status.PENDING, None, ["1"])
+        assert len(s.tokens) == s.prompt_length + s.response_length == s.prompt_length + len(s.rollout_log_probs)
+
+    # The checkpoint holds the partial responses; a run resumed from it continues them.
+    source.save(0)
+    resumed = RolloutDataSourceWithBuffer(args)
+    resumed.load(0)
+    assert [[s.to_dict() for s in g] for g in resumed.buffer] == [[s.to_dict() for s in g] for g in source.buffer]
+    second = sglang_rollout.generate_rollout(args, 1, resumed)
+    assert set(back) <= set(group_indices(second.samples)) and resumed.buffer == []  # served first
+    for sample in (s for g in second.samples for s in g):
+        old = partial.get(sample.index)
+        if old is None:  # finished, or aborted before its first token: generated again from the prompt
+            assert sample.weight_versions[-1:] == ["2"] and sample.loss_mask == [1] * sample.response_length
+            continue
+        assert sample.tokens[: len(old.tokens)] == old.tokens  # prompt + old part, then the new part
+        assert sample.rollout_log_probs[: old.response_length] == old.rollout_log_probs
+        assert sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.reward is not None
+        check_continued(sample, old.response_length, tiny_model_dir, new_weights_dir, masked)
+
+
+@pytest.mark.slow
+def test_push_aborts_requests_which_continue_as_partial_rollouts(tiny_model_dir, new_weights_dir, engine, loop_args):
+    """The fully async loop: a push aborts the requests in flight, which continue at once under the new weights."""
     client, _ = engine
     args = loop_args(
         "--rollout-max-response-len", "160", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
@@ -246,7 +347,7 @@ def test_push_aborts_requests_which_continue_as_partial_rollouts(tiny_model_dir,
     fully_async_rollout.generate_rollout_fully_async(args, 0, source)
     worker = fully_async_rollout.current_worker()
     wait_for(lambda: client.get_server_info()["internal_states"][0]["num_running_reqs"] > 0)
-    push(client, tiny_model_dir, 2, args)
+    push(client, new_weights_dir, 2, args)
     groups, aborted = [], 0.0
     for rollout_id in (1, 2):
         output = fully_async_rollout.generate_rollout_fully_async(args, rollout_id, source)
@@ -255,14 +356,12 @@ def test_push_aborts_requests_which_continue_as_partial_rollouts(tiny_model_dir,
         assert output.metrics["rollout/staleness_max"] <= 1
     assert aborted >= 1
     continued = [s for g in groups for s in g if s.weight_versions == ["1", "2"]]
-    assert continued, "a request in flight during the push was continued under the new weights"
     for sample in continued:
         assert sample.status != Status.ABORTED and sample.reward is not None
-        assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
-        assert len(sample.tokens) == sample.prompt_length + sample.response_length
-        # The tokens of the old weights are masked out; the ones of the new weights train.
-        old = sample.loss_mask.index(1) if 1 in sample.loss_mask else sample.response_length
-        assert sample.loss_mask == [0] * old + [1] * (sample.response_length - old)
+        # The tokens of the old weights are masked out (none when the push came before the first token).
+        old_part = sample.loss_mask.index(1)
+        check_continued(sample, old_part, tiny_model_dir, new_weights_dir, masked=True)
+    assert any(s.loss_mask[0] == 0 for s in continued), "a request in flight during the push was continued"
     assert worker.error is None
 
 
@@ -329,3 +428,93 @@ def test_train_async_bound_1_regenerates_saves_and_evaluates(tiny_model_dir, tmp
     saved = torch.load(save_dir / "rollout" / "data_source_2.pt", weights_only=True)
     in_checkpoint = [g[0]["group_index"] for g in saved["buffer"]]
     assert sorted(trained + in_checkpoint) == list(range(saved["sample_group_index"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# kill -9 of the driver, then --load: every prompt trained exactly once
+# ---------------------------------------------------------------------------------------------
+
+
+def run_to_files(script: str, *flags: str, log: Path, timeout: float = 420) -> int:
+    """`python <script> <flags>` as `run_driver_script` runs it, with its output in `log`.{out,err}: a killed
+    driver's descendants could hold pipes open. Returns the exit status."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        process = subprocess.Popen([sys.executable, script, *flags], cwd=REPO, env=env, stdout=out, stderr=err)
+        try:
+            return process.wait(timeout=timeout)
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+# Ray's dashboard and runtime-env agents exit on their own once their GCS reconnect timeout (60 s) is over, idle
+# meanwhile (checked by hand: gone 62 s after the kill); waiting for them would only make the test slower.
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
+def still_running(job: list[list]) -> list[str]:
+    """The processes of `job` ([pid, create time] pairs) that have not exited, Ray's agents aside, as "pid name"."""
+    alive = []
+    for pid, created in job:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(pid)
+            if process.create_time() == created and process.status() != psutil.STATUS_ZOMBIE:
+                if process.name() not in RAY_AGENTS:
+                    alive.append(f"{pid} {process.name()}")
+    return alive
+
+
+def wait_for_exit(job: list[list], deadline: float) -> list[str]:
+    """Wait until the processes of `job` have exited or `deadline` (time.monotonic) has passed; returns those left."""
+    while still_running(job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return still_running(job)
+
+
+@pytest.mark.slow
+@pytest.mark.reliability(
+    "kill -9 of the train_async.py driver of a fully async run (--save-interval 1) while rollout 2 trains, "
+    "then the same command with --load",
+    "the job's processes (Ray, trainer, engines, router) die with it; the resumed run regenerates the groups the "
+    "checkpoint put back and trains every prompt of the data source order exactly once, as an uninterrupted run",
+)
+def test_kill_9_of_the_driver_and_load_train_every_prompt_once(tiny_model_dir, tmp_path):
+    save_dir = tmp_path / "run"
+    prompt_file = write_addition_prompts(tmp_path / "prompts.jsonl")
+    run_flags = [*small_run_flags(tiny_model_dir, prompt_file, save_dir), "--num-rollout", "3"]
+    flags = [
+        *run_flags, "--rollout-function-path", FULLY_ASYNC, "--max-weight-staleness", "2", "--save-interval", "1",
+        "--rollout-data-postprocess-path", "fault_injection.kill_driver_once_in_rollout_2",
+    ]  # fmt: skip
+    # The uninterrupted run, from the data source order: the first 6 prompt groups, each once (one batch in the
+    # pipeline: every step trains the 2 groups drawn after the previous one).
+    expected = RolloutDataSourceWithBuffer(parse_args(run_flags)).get_samples(6)
+    status = run_to_files("train_async.py", *flags, log=tmp_path / "killed")
+    assert status == -signal.SIGKILL, f"exit status {status}:\n{(tmp_path / 'killed.err').read_text()[-6000:]}"
+    assert run_dir.committed_step(save_dir) == 1
+    assert [row["rollout_id"] for row in rollout_rows(save_dir)] == [0, 1]
+    # Engines, router, trainer, rollout manager, Ray's GCS and raylet: all gone with the driver (2 s here).
+    job = json.loads((save_dir / "killed_job.json").read_text())
+    left = wait_for_exit(job, time.monotonic() + 30)
+    assert not left, f"left running 30 s after the driver was killed: {left}"
+    interrupted = sorted({s.group_index for s in dumped_groups(save_dir, 2)})  # drawn, never trained
+
+    status = run_to_files("train_async.py", *flags, "--load", str(save_dir), log=tmp_path / "resumed")
+    assert status == 0, f"the resumed run failed:\n{(tmp_path / 'resumed.err').read_text()[-6000:]}"
+    rows = rollout_rows(save_dir)
+    assert [row["rollout_id"] for row in rows] == [0, 1, 2]
+    trained = {rollout_id: dumped_groups(save_dir, rollout_id) for rollout_id in range(3)}
+    samples = [s for rollout in trained.values() for s in rollout]
+    assert sorted((s.group_index, s.prompt) for s in samples) == sorted(
+        (s.group_index, s.prompt) for group in expected for s in group
+    )
+    assert len({s.index for s in samples}) == len(samples) == 12  # no sample trained twice
+    # Rollout 2 was redone with the groups it had drawn, generated again under the resumed run's first weights
+    # (which numbers its pushes from 1 again): none of the killed run's responses was trained.
+    assert sorted({s.group_index for s in trained[2]}) == interrupted
+    assert all(s.weight_versions == ["1"] for s in trained[2])
+    # Within --max-weight-staleness 2; a one-batch pipeline is never more than one push behind.
+    for rollout_id, trainer_version in ((0, 1), (1, 2), (2, 1)):
+        assert all(trainer_version - min(map(int, s.weight_versions)) <= 1 for s in trained[rollout_id])
+    assert all(row["rollout/staleness_max"] <= 1 for row in rows)

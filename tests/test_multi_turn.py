@@ -3,14 +3,13 @@ of `slime.agent.multi_turn`, driven against a real CPU engine process."""
 
 import asyncio
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from chat_templates import CONVERSATION, template_tokenizers
 from engine_process import cpu_engine_process, engine_prompt_log_probs
 from tiny_model import build_tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from slime.agent.multi_turn import (
     append_observation,
@@ -24,51 +23,7 @@ from slime.utils.arguments import parse_args
 from slime.utils.mask_utils import MultiTurnLossMaskGenerator
 from slime.utils.types import Sample, Status
 
-
-def teach_tiny_model(model_dir: Path, out_dir: Path, pieces: list[tuple[str, int]], max_steps: int = 200) -> Path:
-    """A copy of the tiny model trained until it writes the trainable pieces of one trajectory by heart.
-
-    `pieces` are (text, trainable) chunks, each tokenized on its own as a multi-turn sample is built (the prompt,
-    model turns, observations). Greedy or low-temperature decoding then replays the model turns, so an example's
-    tool loop runs for real on a model that would otherwise never write an action. Takes about a second.
-    """
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids, labels = [], []
-    for text, trainable in pieces:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        labels += piece if trainable else [-100] * len(piece)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(max_steps):
-        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:
-            break
-    assert loss.item() < 1e-3, f"the tiny model did not learn the trajectory (loss {loss.item():.4f})"
-    shutil.copytree(model_dir, out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
-
-
 # ---- loss masks ------------------------------------------------------------------------------------------------
-# Qwen2.5-style ChatML: a default system prompt when there is none, tool results as user turns.
-QWEN25_TEMPLATE = (
-    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
 # Behaves like Qwen3's template: the reasoning of an assistant turn (`reasoning_content`, or a `<think>` block at
 # the start of its content) is shown only for turns after the last user query, and a `<think>` block is always
 # written for the last turn; tool results are grouped into one user turn; `enable_thinking=False` adds an empty
@@ -115,35 +70,15 @@ QWEN3_TEMPLATE = """
 {%- endif %}
 """
 
-CONVERSATION = [
-    {"role": "system", "content": "think step by step, then answer."},
-    {"role": "user", "content": "What is 12 + 34?"},
-    {"role": "assistant", "content": "The answer is 46."},
-    {"role": "tool", "content": "0123456789"},
-    {"role": "assistant", "content": "the quick brown fox"},
-    {"role": "user", "content": "and 1 + 2?"},
-    {"role": "assistant", "content": "3"},
-]
 ASSISTANT = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
 
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    tiny = build_tokenizer()
-    qwen25 = build_tokenizer()
-    qwen25.chat_template = QWEN25_TEMPLATE
     qwen3 = build_tokenizer()
     qwen3.add_tokens(["<think>", "</think>", "<tool_response>", "</tool_response>"])  # plain added tokens, as in Qwen3
     qwen3.chat_template = QWEN3_TEMPLATE
-    llama3 = build_tokenizer()
-    llama3.add_special_tokens(
-        {
-            "bos_token": "<|begin_of_text|>",
-            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-        }
-    )
-    llama3.chat_template = LLAMA3_TEMPLATE
-    return {"tiny": tiny, "qwen2.5": qwen25, "qwen3": qwen3, "llama3": llama3}
+    return {**template_tokenizers(), "qwen3": qwen3}
 
 
 def expected(tokenizer, pieces: list[tuple[str, int]]) -> tuple[list[int], list[int]]:

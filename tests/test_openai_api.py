@@ -1,8 +1,5 @@
 """The CPU engine's OpenAI-compatible routes, driven by the real `openai` client against a real engine process."""
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -10,12 +7,11 @@ import openai
 import pytest
 import requests
 import torch
+from engine_process import engine_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.backends.cpu_engine.openai_api import _settled_text
-from slime.utils.http_utils import find_free_port, wait_until_healthy
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
 MESSAGES = [{"role": "system", "content": "think step by step"}, {"role": "user", "content": "What is 12 + 34?"}]
 
@@ -23,23 +19,10 @@ MESSAGES = [{"role": "system", "content": "think step by step"}, {"role": "user"
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """One engine process (with --api-key) for the module; yields (openai client, base URL, tokenizer)."""
-    port = find_free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", str(tiny_model_dir)]
     # A context beyond the tiny model's 512 positions (RoPE extends) leaves room for a long streamed answer.
-    command += ["--port", str(port), "--num-threads", "1", "--api-key", API_KEY, "--context-length", "2048"]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(f"{url}/health", 120, process=process)
+    with engine_server(tiny_model_dir, "--api-key", API_KEY, "--context-length", "2048") as (_, url):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
         yield client, url, AutoTokenizer.from_pretrained(tiny_model_dir)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def native_generate(url: str, body: dict) -> dict:

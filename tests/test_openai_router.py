@@ -11,42 +11,24 @@ What sglang-router 0.3.2 does with /v1 (measured here):
   connection to the engine when the next chunk comes, which aborts the request there.
 """
 
-import os
-import subprocess
-import sys
 import time
 from argparse import Namespace
-from pathlib import Path
 
 import openai
 import pytest
 import requests
+from engine_process import engine_server
 
 from slime.backends.sglang_utils.router import add_worker, router_cli_parser, start_router, wait_for_workers
-from slime.utils.http_utils import find_free_port, wait_until_healthy
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = [{"role": "user", "content": "What is 12 + 34?"}]
 
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir):
-    port = find_free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", str(tiny_model_dir)]
     # Room for a long answer (the tiny model's RoPE extends past its 512 positions).
-    command += ["--port", str(port), "--num-threads", "1", "--context-length", "4096"]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(f"{url}/health", 120, process=process)
+    with engine_server(tiny_model_dir, "--context-length", "4096") as (_, url):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")

@@ -97,14 +97,19 @@ def test_tool_definitions_and_template_kwargs_reach_the_template(tokenizer):
     assert tokens == system + plain_tokens and mask == [0] * len(system) + plain_mask
 
 
-def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+def test_last_turn_think_template_masks_each_turn_as_rendered(tokenizer):
+    """A Qwen3-like template adds <think></think> to the final assistant turn only: every turn is trained as it
+    appears in the whole conversation."""
     tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     tok.chat_template = LAST_TURN_THINK_TEMPLATE
-    # One assistant turn: it is the last turn in every rendering, so the mask is well defined.
     tokens, mask, _ = tokenize_conversation(tok, CONVERSATION[:3])
     assert tok.decode(masked_runs(tokens, mask)[0]) == "<think></think>The answer is \\boxed{46}.<|im_end|>\n"
-    with pytest.raises(ValueError, match="assistant turn at message 2: .* renders this turn differently"):
-        tokenize_conversation(tok, CONVERSATION)
+    tokens, mask, _ = tokenize_conversation(tok, CONVERSATION)
+    assert [tok.decode(run) for run in masked_runs(tokens, mask)] == [
+        "The answer is \\boxed{46}.<|im_end|>\n",
+        "3<|im_end|>\n",
+        "<think></think>the quick brown fox<|im_end|>\n",
+    ]
 
 
 def write_conversations(path, records):

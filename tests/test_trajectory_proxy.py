@@ -6,24 +6,19 @@ are checked against a HF forward pass of the same model.
 
 import argparse
 import asyncio
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import openai
 import pytest
 import torch
+from engine_process import engine_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.agent.chat_turns import continuation_ids
 from slime.agent.trajectory_proxy import TrajectoryProxy, session_to_sample
 from slime.rollout import agent_rollout
 from slime.utils.arguments import ArgumentValidationError, parse_args
-from slime.utils.http_utils import find_free_port, wait_until_healthy
 from slime.utils.types import Sample, Status
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "engine-key"
 FIRST_MESSAGES = [{"role": "system", "content": "use the tools"}, {"role": "user", "content": "What is 12 + 34?"}]
 # Sampling at temperature 1 so the engine's log-probs are the model's plain log-softmax.
@@ -36,21 +31,8 @@ SEEDS = (49, 1, 2)
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """One CPU engine process that requires an API key; yields its URL."""
-    port = find_free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", str(tiny_model_dir)]
-    command += ["--port", str(port), "--num-threads", "1", "--api-key", API_KEY]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(f"{url}/health", 120, process=process)
+    with engine_server(tiny_model_dir, "--api-key", API_KEY) as (_, url):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")

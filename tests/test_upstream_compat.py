@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from aiohttp import web
+from chat_templates import CONVERSATION, template_tokenizers
 from e2e_runs import rollout_rows, run_driver_script
 from transformers import AutoTokenizer
 
@@ -60,46 +61,9 @@ def test_get_reward_value_missing_key_is_a_clear_error():
 
 
 # ---- MultiTurnLossMaskGenerator -------------------------------------------------------------------------------
-CONVERSATION = [
-    {"role": "system", "content": "think step by step, then answer."},
-    {"role": "user", "content": "What is 12 + 34?"},
-    {"role": "assistant", "content": "The answer is 46."},
-    {"role": "tool", "content": "0123456789"},
-    {"role": "assistant", "content": "the quick brown fox"},
-    {"role": "user", "content": "and 1 + 2?"},
-]
-
-# Qwen2.5-style ChatML: a default system prompt when there is none, tool results as user turns.
-QWEN25_TEMPLATE = (
-    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
-
-
 @pytest.fixture(scope="module")
-def tokenizers(tiny_model_dir):
-    tiny = AutoTokenizer.from_pretrained(tiny_model_dir)
-    qwen = AutoTokenizer.from_pretrained(tiny_model_dir)
-    qwen.chat_template = QWEN25_TEMPLATE
-    llama = AutoTokenizer.from_pretrained(tiny_model_dir)
-    llama.add_special_tokens(
-        {
-            "bos_token": "<|begin_of_text|>",
-            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-        }
-    )
-    llama.chat_template = LLAMA3_TEMPLATE
-    return {"tiny": tiny, "qwen2.5": qwen, "llama3": llama}
+def tokenizers():
+    return template_tokenizers()
 
 
 # What each template writes for one assistant turn, from its known layout: the masked text must be exactly this.

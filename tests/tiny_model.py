@@ -6,11 +6,12 @@ saved with `save_pretrained` so every loading path in slime is the real one.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -95,3 +96,31 @@ def build_tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def teach_tiny_model(model_dir: Path, out_dir: Path, pieces: list[tuple[str, int]], max_steps: int = 200) -> Path:
+    """A copy of the tiny model trained until it writes the trainable pieces of one trajectory by heart.
+
+    `pieces` are (text, trainable) chunks, each tokenized on its own as a multi-turn sample is built (the prompt,
+    model turns, observations). Greedy or low-temperature decoding then replays the model turns, so an example's
+    tool loop runs for real on a model that would otherwise never write an action. Takes about a second.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids, labels = [], []
+    for text, trainable in pieces:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if trainable else [-100] * len(piece)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(max_steps):
+        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:
+            break
+    assert loss.item() < 1e-3, f"the tiny model did not learn the trajectory (loss {loss.item():.4f})"
+    shutil.copytree(model_dir, out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

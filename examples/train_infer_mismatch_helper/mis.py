@@ -15,7 +15,6 @@ is weighted by min(r, `tis_clip`). Settings come from `--custom-config-path` key
 
 from __future__ import annotations
 
-import math
 from argparse import Namespace
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,6 @@ from typing import Any
 import torch
 
 from slime.algorithms.importance import compute_is_weights
-from slime.algorithms.kl import LOG_WEIGHT_LIMIT
 
 
 @dataclass(frozen=True)
@@ -95,20 +93,18 @@ def mis_function(
         train_log_probs, rollout_log_probs, loss_masks, level=config.level, mode="mask", lower=config.lower,
         upper=config.upper,
     )  # fmt: skip
-    new_masks, weights, vetoed, clipped = [], [], [], []
-    for train_lp, rollout_lp, mask, bounded in zip(
-        train_log_probs, rollout_log_probs, loss_masks, in_bounds, strict=True
-    ):
-        log_ratio = (train_lp.detach().float() - rollout_lp.detach().float()).clamp(-LOG_WEIGHT_LIMIT, LOG_WEIGHT_LIMIT)
-        veto = config.veto_threshold is not None and bool(
-            ((log_ratio < math.log(config.veto_threshold)) & (mask > 0)).any()
-        )
-        keep = (bounded > 0) & (mask > 0) & (not veto)
-        ratio = log_ratio.exp()
+    # TIS: each token's own ratio, truncated. The veto zeroes a whole sample; any other weight is exp(...) > 0.
+    tis_weights, _ = compute_is_weights(
+        train_log_probs, rollout_log_probs, loss_masks, mode="truncate", upper=args.tis_clip,
+        veto_threshold=config.veto_threshold,
+    )  # fmt: skip
+    new_masks, vetoed, clipped = [], [], []
+    for mask, bounded, weight in zip(loss_masks, in_bounds, tis_weights, strict=True):
+        trainable, not_vetoed = mask > 0, weight > 0
+        keep = trainable & (bounded > 0) & not_vetoed
         new_masks.append(keep.to(mask.dtype))
-        weights.append(ratio.clamp(max=args.tis_clip))  # TIS on the kept tokens: their own ratio, truncated
-        vetoed.append(torch.full_like(ratio, float(veto)) * (mask > 0))
-        clipped.append((ratio > args.tis_clip) & keep)
+        vetoed.append(trainable & ~not_vetoed)
+        clipped.append(keep & (weight >= args.tis_clip))
 
     num_trainable = sum(mask.sum() for mask in loss_masks).clamp_min(1)
     metrics = {
@@ -117,4 +113,4 @@ def mis_function(
         "mis_veto_fraction": torch.cat(vetoed).sum() / num_trainable,
         "tis_clipfrac": torch.cat(clipped).sum() / num_trainable,
     }
-    return pg_loss * torch.cat(weights).to(pg_loss.dtype), new_masks, metrics
+    return pg_loss * torch.cat(tis_weights).to(pg_loss.dtype), new_masks, metrics

@@ -28,9 +28,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
-from slime.utils.http_utils import async_post_json
+from slime.utils.engine_args import context_limit
+from slime.utils.router_generate import generate_into_sample
 from slime.utils.tool_calls import parse_tool_calls
 from slime.utils.types import Sample, Status
 
@@ -71,41 +72,6 @@ class Episode:
 def load_tokenizer(path: str) -> Any:
     """The tokenizer of `path` (`--hf-checkpoint`), loaded once per process."""
     return AutoTokenizer.from_pretrained(path)
-
-
-@functools.lru_cache(maxsize=4)
-def _config_context_length(path: str) -> int:
-    config = AutoConfig.from_pretrained(path)
-    config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
-    return int(getattr(config, "max_position_embeddings", None) or 4096)
-
-
-def context_limit(args) -> int:
-    """Most prompt + response tokens one sample may reach, as the default rollout computes it.
-
-    `--rollout-max-context-len`, never more than the engine holds: `--sglang-context-length` on SGLang, else the
-    model config's `max_position_embeddings`, minus 1 (SGLang refuses a request that reaches its context length).
-    """
-    override = (getattr(args, "sglang_server_args", None) or {}).get("context_length")
-    if override and getattr(args, "rollout_backend", "sglang") != "cpu":  # the CPU engine ignores --sglang-*
-        limit = int(override) - 1
-    else:
-        limit = _config_context_length(args.hf_checkpoint) - 1
-    requested = getattr(args, "rollout_max_context_len", None)
-    return limit if requested is None else min(requested, limit)
-
-
-def _failover_window(args) -> float:
-    """Seconds a turn keeps being retried while `--use-fault-tolerance` replaces a failed engine (as the default
-    rollout does); 0 without it."""
-    if not getattr(args, "use_fault_tolerance", False):
-        return 0.0
-    return (
-        args.rollout_health_check_first_wait
-        + args.rollout_health_check_interval
-        + args.rollout_health_check_timeout
-        + 30.0
-    )
 
 
 def start_episode(args, sample: Sample, tokenizer: Any = None) -> Episode:
@@ -155,23 +121,9 @@ async def model_turn(args, episode: Episode, sampling_params: dict[str, Any]) ->
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
         return ""
-    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
-    payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
-    output = await async_post_json(
-        url,
-        payload,
-        timeout=getattr(args, "sglang_router_request_timeout_secs", None),
-        retry_failures_for=_failover_window(args),
-    )
-    meta = output["meta_info"]
-    token_logprobs = meta.get("output_token_logprobs") or []
-    new_tokens = [token_id for _, token_id, _ in token_logprobs] or output.get("output_ids", [])
-    log_probs = [log_prob for log_prob, _, _ in token_logprobs] or None
-    sample.append_response(new_tokens, output["text"], log_probs)
-    sample.weight_versions.append(str(meta.get("weight_version", "")))
-    sample.status = Status.from_finish_reason(meta["finish_reason"]["type"])
+    text = await generate_into_sample(args, sample, params)
     episode.turns += 1
-    return output["text"]
+    return text
 
 
 def append_observation(episode: Episode, text: str) -> bool:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from slime.algorithms.gae import chunked_discounted_returns, get_advantages_and_returns_batch
 from slime.algorithms.kl import compute_approx_kl
+from slime.algorithms.opd import apply_opd_kl_to_advantages
 from slime.algorithms.registry import Registry, import_object, load_from_args, origin_of
 from slime.algorithms.stats import distributed_masked_whiten
 
@@ -380,13 +381,16 @@ def compute_advantages_and_returns(
     """Set `data["advantages"]` and `data["returns"]` for this rank's samples, in place.
 
     Runs the `--advantage-estimator` function, or `--custom-advantage-function-path` `f(args, data)`, which
-    replaces it and must set both keys. `--normalize-advantages` then whitens the advantages over the trainable
-    tokens of every data-parallel rank (a collective: every rank must call this).
+    replaces it and must set both keys. `--use-opd` then subtracts the teacher term (`slime.algorithms.opd`; the
+    per-token reverse-KL estimates go to `data["opd_reverse_kl"]`), and `--normalize-advantages` whitens the
+    advantages over the trainable tokens of every data-parallel rank (a collective: every rank must call this).
 
     Args:
         args: `advantage_estimator` and the flags it reads (`kl_coef`, `kl_loss_type`, `gamma`, `lambd`),
-            `normalize_advantages`, `custom_advantage_function_path`, `custom_algorithm_module`.
-        data: The shard: `rewards`, `loss_masks` (tensors), and as available `log_probs`, `ref_log_probs`, `values`.
+            `normalize_advantages`, `custom_advantage_function_path`, `custom_algorithm_module`, `use_opd`,
+            `opd_kl_coef`.
+        data: The shard: `rewards`, `loss_masks` (tensors), and as available `log_probs`, `ref_log_probs`, `values`,
+            `teacher_log_probs` (tensors; needed with `use_opd`, with `log_probs`).
         process_group: Group to whiten over (default: the default group).
         device: Device the whitening all-reduce runs on (CUDA under NCCL).
     """
@@ -405,6 +409,14 @@ def compute_advantages_and_returns(
                 f"{len(returns)} returns for {num_samples} samples; return one 1D tensor per sample for each"
             )
         data["advantages"], data["returns"] = list(advantages), list(returns)
+
+    # The critic has no log-probs and reads only the returns, which the teacher term leaves alone (as upstream).
+    if getattr(args, "use_opd", False) and data.get("log_probs") is not None:
+        if data.get("teacher_log_probs") is None:
+            raise ValueError("--use-opd needs teacher_log_probs in the rollout data (Sample.teacher_log_probs)")
+        data["advantages"], data["opd_reverse_kl"] = apply_opd_kl_to_advantages(
+            data["advantages"], data["log_probs"], data["teacher_log_probs"], args.opd_kl_coef
+        )
 
     if args.normalize_advantages:
         lengths = [a.numel() for a in data["advantages"]]

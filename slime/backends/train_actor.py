@@ -23,9 +23,10 @@ plain `<name>` (the driver prefixes them).
 `train` follows Megatron's `train_actor` order: reference log-probs (the reference weights are copied
 into the one model and back: no second model), old log-probs with the current weights (the engines'
 with `--use-rollout-logprobs`; the generating weights with `--keep-old-actor`), advantages and returns
-(slime.algorithms), the `--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps over the
-same packed micro-batches. The critic takes its values from its own `compute_values` of the shard and
-computes returns by GAE with a zero reward-side KL.
+(slime.algorithms; with `--use-opd` less the reverse KL to the teacher's `teacher_log_probs`), the
+`--rollout-data-postprocess-path` hook, then `num_steps` optimizer steps over the same packed micro-batches.
+The critic takes its values from its own `compute_values` of the shard and computes returns by GAE with a zero
+reward-side KL.
 
 A backend (fsdp_utils, megatron_utils) subclasses `TrainRayActor` and supplies what differs: `_build`
 (model, optimizer, loading), `_micro_batches`, `_forward_log_probs` / `_forward_values`, `_step_gradients`
@@ -168,8 +169,9 @@ class TrainRayActor:
             rollout_data = ray.get(rollout_data)
         data = dict(rollout_data)
         data["loss_masks"] = [torch.as_tensor(mask, dtype=torch.float32) for mask in data["loss_masks"]]
-        if data.get("rollout_log_probs") is not None:
-            data["rollout_log_probs"] = [torch.as_tensor(lp, dtype=torch.float32) for lp in data["rollout_log_probs"]]
+        for key in ("rollout_log_probs", "teacher_log_probs"):
+            if data.get(key) is not None:
+                data[key] = [torch.as_tensor(lp, dtype=torch.float32) for lp in data[key]]
         data["total_lengths"] = [len(tokens) for tokens in data["tokens"]]
         data.setdefault("num_steps", self.args.num_steps_per_rollout)
         return data
@@ -229,13 +231,15 @@ class TrainRayActor:
         steps = self._micro_batches(data)
         num_samples = len(data["tokens"])
         train_log_probs = None  # the trainer's log-probs of the rollout, compared with the engines'
-        fuse_old_log_probs = self._can_fuse_old_log_probs(data)
+        # The teacher term needs the student's old log-probs before the step, not from the step's own forward.
+        fuse_old_log_probs = self._can_fuse_old_log_probs(data) and not self.args.use_opd
         if self.role == "critic":
             data["values"] = self._take_remembered_values(data)
             if data["values"] is None:
                 data["values"] = self._forward_values(steps, num_samples)
         else:
             self._check_rollout_log_probs(data)
+            self._check_teacher_log_probs(data)
             if self.ref_weights is not None:
                 data["ref_log_probs"] = self._log_probs_with(self.ref_weights, steps, num_samples)
             if self.args.use_rollout_logprobs:
@@ -257,6 +261,8 @@ class TrainRayActor:
             load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
 
         metrics = self._optimize(rollout_id, steps, data, fuse_old_log_probs)
+        if data.get("opd_reverse_kl") is not None:  # mean log pi_student - log pi_teacher over trainable tokens
+            metrics["opd_reverse_kl"] = self._masked_token_mean(data["opd_reverse_kl"], data["loss_masks"])
         if not self.args.use_rollout_logprobs:
             train_log_probs = data.get("log_probs")
         if self.role == "actor" and train_log_probs is not None and data.get("rollout_log_probs") is not None:
@@ -278,6 +284,24 @@ class TrainRayActor:
                 "--use-rollout-logprobs / --use-tis need the engines' log-probs, but the rollout data has no "
                 "rollout_log_probs; make the rollout function record them (return_logprob)"
             )
+
+    def _check_teacher_log_probs(self, data: dict) -> None:
+        """Refuse `--use-opd` on data without the teacher's log-probs of every response token."""
+        if not self.args.use_opd:
+            return
+        if data.get("teacher_log_probs") is None:
+            raise ValueError(
+                "--use-opd needs the teacher's log-probs of every response token, but the rollout data has no "
+                "teacher_log_probs; pass --opd-teacher-url (the default rollout then asks the teacher engine), or "
+                "set Sample.teacher_log_probs on every sample in your rollout, generate or reward code"
+            )
+        indices = data.get("sample_indices") or range(len(data["tokens"]))
+        for index, teacher, length in zip(indices, data["teacher_log_probs"], data["response_lengths"], strict=True):
+            if teacher.numel() != length:
+                raise ValueError(
+                    f"sample {index} has {teacher.numel()} teacher log-probs for {length} response tokens; "
+                    "Sample.teacher_log_probs must hold one log-prob per response token"
+                )
 
     def _old_log_probs_unused(self, has_reference: bool) -> bool:
         """Nothing reads the old log-probs: the SFT loss uses the current ones, and without a reference
@@ -442,6 +466,15 @@ class TrainRayActor:
         totals = self._all_reduce(totals, group)
         largest = self._all_reduce(largest, group, dist.ReduceOp.MAX)
         return float(totals[0] / totals[1].clamp_min(1)), float(largest)
+
+    def _masked_token_mean(self, values: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
+        """Mean of per-token `values` over the trainable tokens of the data-parallel group."""
+        totals = torch.zeros(2, dtype=torch.float64)
+        for value, mask in zip(values, masks, strict=True):
+            totals[0] += float((value.double() * mask).sum())
+            totals[1] += float(mask.sum())
+        totals = self._all_reduce(totals, self._data_parallel_group())
+        return float(totals[0] / totals[1].clamp_min(1))
 
     def _mismatch_kl(self, train: list[torch.Tensor], rollout: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
         """KL(engine policy || trainer policy) over trainable tokens of the data-parallel group (k3 estimate

@@ -77,7 +77,9 @@ def create_training_run(args) -> TrainingRun:
     configure_logging()
     resume_step = check_resume(args)  # before any process starts
     slices = create_placement_groups(args)
-    rollout_manager = create_rollout_manager(args, slices["rollout"])
+    # Separate devices: engines start while the trainers are built. Colocated, the engines size their memory
+    # pools from what is free, so they come up first, alone.
+    rollout_manager = create_rollout_manager(args, slices["rollout"], wait_for_engines=args.colocate)
     num_rollout, num_rollout_per_epoch = ray.get(rollout_manager.get_num_rollout.remote())
     args.num_rollout = num_rollout
 

@@ -6,6 +6,7 @@ splits it across data-parallel ranks and returns one object ref per rank.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import logging
@@ -62,9 +63,9 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
 
     Returns:
         dict with tokens, response_lengths, rewards, raw_reward, truncated, loss_masks,
-        rollout_log_probs (when every sample has them) and sample_indices. A sample with `remove_sample`
-        set, or an `unfinished` one (aborted or failed, never scored; reward 0), keeps its place in its
-        group but gets an all-zero loss mask.
+        rollout_log_probs and teacher_log_probs (each when every sample has them) and sample_indices. A
+        sample with `remove_sample` set, or an `unfinished` one (aborted or failed, never scored; reward 0),
+        keeps its place in its group but gets an all-zero loss mask.
     """
     if args.custom_reward_post_process_path:
         raw_rewards, rewards = load_function(args.custom_reward_post_process_path)(args, samples)
@@ -90,6 +91,8 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
             data["loss_masks"][i] = [0] * s.response_length
     if all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [s.rollout_log_probs for s in samples]
+    if all(s.teacher_log_probs is not None for s in samples):  # on-policy distillation (--use-opd)
+        data["teacher_log_probs"] = [s.teacher_log_probs for s in samples]
     if getattr(args, "keep_old_actor", False):  # the trainer takes old log-probs from the weights that generated them
         data["weight_versions"] = [s.weight_versions[-1] if s.weight_versions else None for s in samples]
     return data
@@ -241,8 +244,13 @@ class RolloutManager:
         self._awaiting_weights: set[int] = set()
         self._restarted_at: dict[int, float] = {}
         self._recovery_changed = threading.Condition()
+        self._engines_started: concurrent.futures.Future | None = None
         if not args.debug_train_only:
-            self._start_engines(rollout_slice)
+            # Router and engines come up on a thread while the driver builds the trainers: the two are most of a
+            # run's start-up. Whatever needs the engines waits for them (`wait_for_engines`).
+            starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="start-engines")
+            self._engines_started = starter.submit(self._start_engines, rollout_slice)
+            starter.shutdown(wait=False)
         self.data_source = load_function(args.data_source_path)(args)
         if args.num_rollout is None:
             args.num_rollout = compute_num_rollout(args, len(self.data_source))
@@ -363,10 +371,17 @@ class RolloutManager:
             self._awaiting_weights -= set(indices)
         logger.info("engines %s are back in the router", urls)
 
+    def wait_for_engines(self) -> None:
+        """Block until router and engines are up; re-raises the error that stopped them from starting."""
+        if self._engines_started is not None:
+            self._engines_started.result()
+
     def get_engines(self) -> list:
+        self.wait_for_engines()
         return self.engines
 
     def get_engine_urls(self) -> list[str]:
+        self.wait_for_engines()
         return self.engine_urls
 
     def get_num_rollout(self) -> tuple[int, int]:
@@ -429,6 +444,7 @@ class RolloutManager:
     # ---- rollout -------------------------------------------------------------------------
     def generate(self, rollout_id: int, dp_size: int = 1) -> RolloutBatch:
         """Run one training rollout and return per-rank train data refs and metrics."""
+        self.wait_for_engines()
         started = time.time()
         # A fully async rollout's loop draws from the data source on its own thread meanwhile: `save` asks it instead.
         if hasattr(self.data_source, "state_dict") and fully_async_rollout.current_worker() is None:
@@ -480,6 +496,7 @@ class RolloutManager:
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         """Run every eval set; returns `eval/<name>` mean reward and truncation rate."""
+        self.wait_for_engines()
         if not (self.args.eval_prompt_data or getattr(self.args, "eval_config", None)):
             return {}
         output = self._call_rollout_fn(self.eval_fn, rollout_id, evaluation=True)
@@ -566,17 +583,22 @@ class RolloutManager:
         self.data_source.load(rollout_id)
 
     def offload(self) -> None:
+        self.wait_for_engines()
         if self.monitor is not None:
             self.monitor.pause()  # released engines answer health checks with 503 by design
         ray.get([engine.release_memory_occupation.remote() for engine in self.engines])
 
     def onload(self) -> None:
+        self.wait_for_engines()
         ray.get([engine.resume_memory_occupation.remote() for engine in self.engines])
         if self.monitor is not None:
             self.monitor.resume()
 
     def dispose(self) -> None:
         """Stop the rollout's background loop, engines and router; leaves no process behind."""
+        if self._engines_started is not None:
+            with contextlib.suppress(Exception):  # a failed start has cleaned up after itself
+                self._engines_started.result()
         fully_async_rollout.stop_worker()
         if self.monitor is not None:
             self.monitor.stop()
@@ -591,8 +613,10 @@ class RolloutManager:
             self.router = None
 
 
-def create_rollout_manager(args, rollout_slice: PlacementSlice):
-    """Start the RolloutManager actor (it uses no bundle itself) and wait until its engines are up."""
+def create_rollout_manager(args, rollout_slice: PlacementSlice, wait_for_engines: bool = True):
+    """Start the RolloutManager actor (it uses no bundle itself); with `wait_for_engines`, return once its engines
+    are up, else at once (its engine-using methods wait for them)."""
     manager = ray.remote(num_cpus=0)(RolloutManager).remote(args, rollout_slice)
-    ray.get(manager.get_engine_urls.remote())
+    if wait_for_engines:
+        ray.get(manager.wait_for_engines.remote())
     return manager

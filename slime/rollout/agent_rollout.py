@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from slime.agent.chat_turns import prompt_ids
-from slime.agent.multi_turn import context_limit as default_context_limit
 from slime.agent.multi_turn import load_tokenizer
 from slime.agent.trajectory_proxy import TrajectoryProxy, session_to_sample
+from slime.utils.engine_args import context_limit as default_context_limit
+from slime.utils.engine_args import engine_api_key
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -56,8 +57,7 @@ async def get_proxy(args) -> TrajectoryProxy:
         # The server lives in one loop; a new loop (only tests make several) needs its own.
         _proxy = TrajectoryProxy(
             load_tokenizer(args.hf_checkpoint),
-            # The key engines require (what engine_api_key in slime.backends reads); slime.rollout does not import it.
-            api_key=getattr(args, "sglang_api_key", None),
+            api_key=engine_api_key(args),
             request_timeout=getattr(args, "sglang_router_request_timeout_secs", None),
         )
     await _proxy.start()

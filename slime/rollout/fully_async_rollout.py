@@ -22,8 +22,9 @@ pushes: with `--update-weights-interval I` one push spans I train steps.
 
 Exactly once: a prompt group is in exactly one place, the data source, the pipeline, or a batch handed out
 (groups `--dynamic-sampling-filter-path` drops are used up, as in the default rollout).
-On save the groups in the pipeline are put back into the *saved* data source state as fresh prompts (their
-responses are discarded), so a run resumed with `--load` generates them again; the live run keeps them.
+On save the groups in the pipeline are put back into the *saved* data source state as fresh prompts, so a run
+resumed with `--load` generates them again; the live run keeps them. Their responses are not saved: a partial one
+lives in the engines until its request ends, and finished ones carry push numbers the resumed run restarts.
 
 Eval (`evaluation=True`) runs the default eval on the same asyncio loop, beside the generation loop.
 

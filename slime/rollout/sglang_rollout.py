@@ -22,17 +22,19 @@ import time
 from typing import Any
 
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
-from slime.backends.sglang_utils.engine_command_line import engine_api_key
 from slime.rollout.agent_rollout import generate as agent_generate
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.rollout.opd import score_with_teacher
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.async_utils import run
 from slime.utils.data import Dataset, load_dataset
+from slime.utils.engine_args import context_limit, engine_api_key
 from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
 from slime.utils.misc import load_function, maybe_await
+from slime.utils.router_generate import generate_into_sample
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -90,31 +92,6 @@ class GenerateState:
         return state
 
 
-def engine_context_length(args) -> int:
-    """Most prompt + response tokens an engine holds.
-
-    `--sglang-context-length` on the SGLang backend, else the model config's `max_position_embeddings`
-    (what SGLang and the CPU engine read), else 4096 (the CPU engine's fallback).
-    """
-    override = (getattr(args, "sglang_server_args", None) or {}).get("context_length")
-    if override and getattr(args, "rollout_backend", "sglang") != "cpu":  # the CPU engine ignores --sglang-*
-        return int(override)
-    config = AutoConfig.from_pretrained(args.hf_checkpoint)
-    config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
-    return int(getattr(config, "max_position_embeddings", None) or 4096)
-
-
-def context_limit(args, evaluation: bool = False) -> int:
-    """Most prompt + response tokens one request may reach: `--rollout-max-context-len` (`--eval-max-context-len`
-    in eval), never more than the engine holds."""
-    # SGLang refuses a request whose prompt + max_new_tokens reaches its context length, hence the - 1.
-    limit = engine_context_length(args) - 1
-    requested = (getattr(args, "eval_max_context_len", None) if evaluation else None) or getattr(
-        args, "rollout_max_context_len", None
-    )
-    return limit if requested is None else min(requested, limit)
-
-
 def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     """SGLang sampling params from the `--rollout-*` flags (the `--eval-*` ones override them in eval).
 
@@ -151,22 +128,6 @@ def _prompt_token_ids(tokenizer, prompt: str | list[dict[str, Any]]) -> list[int
     return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
-def engine_failover_window(args) -> float:
-    """Seconds a request keeps being retried while a failed engine is found and taken out of the router.
-
-    0 without `--use-fault-tolerance`; otherwise long enough for the health monitor's next round
-    (interval + probe timeout) plus a margin.
-    """
-    if not getattr(args, "use_fault_tolerance", False):
-        return 0.0
-    return (
-        args.rollout_health_check_first_wait
-        + args.rollout_health_check_interval
-        + args.rollout_health_check_timeout
-        + 30.0
-    )
-
-
 async def generate(args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False) -> Sample:
     """Generate (or, for a partial rollout, continue) one response through the router.
 
@@ -194,19 +155,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any], evalua
         sample.status = Status.TRUNCATED
         return sample
 
-    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
-    payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
-    output = await async_post_json(
-        url, payload, timeout=args.sglang_router_request_timeout_secs, retry_failures_for=engine_failover_window(args)
-    )
-
-    meta = output["meta_info"]
-    token_logprobs = meta.get("output_token_logprobs") or []
-    new_tokens = [token_id for _, token_id, _ in token_logprobs] or output.get("output_ids", [])
-    log_probs = [log_prob for log_prob, _, _ in token_logprobs] or None
-    sample.append_response(new_tokens, output["text"], log_probs)
-    sample.weight_versions.append(str(meta.get("weight_version", "")))
-    sample.status = Status.from_finish_reason(meta["finish_reason"]["type"])
+    await generate_into_sample(args, sample, params)
     return sample
 
 
@@ -229,6 +178,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
                 replaced = await maybe_await(hook(args, s, rollout_id=s.rollout_id, evaluation=evaluation))
                 samples[i] = s if replaced is None else replaced
     result = samples if isinstance(result, list) else samples[0]
+    await score_with_teacher(args, samples, evaluation)  # --use-opd: Sample.teacher_log_probs
     if not args.group_rm:
         for s in samples:
             if s.status not in (Status.ABORTED, Status.FAILED) and s.reward is None:  # unfinished: reward 0
@@ -262,7 +212,7 @@ def _fresh_copy(sample: Sample) -> Sample:
     """The sample as it came from the data source: prompt only, no response, no reward."""
     fresh = copy.copy(sample)
     fresh.tokens, fresh.response, fresh.response_length = [], "", 0
-    fresh.loss_mask = fresh.rollout_log_probs = None
+    fresh.loss_mask = fresh.rollout_log_probs = fresh.teacher_log_probs = None
     fresh.weight_versions, fresh.reward, fresh.status = [], None, Status.PENDING
     return fresh
 

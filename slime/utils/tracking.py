@@ -1,13 +1,34 @@
 """Per-step metrics: one printed line per rollout, plus wandb / TensorBoard when enabled, and the `--ci-test`
-checks on them."""
+checks on them.
+
+Every tracker flag left unset falls back to the environment variable of the tool's own meaning, so a flag
+overrides the environment (as upstream, which sets `WANDB_MODE` from `--wandb-mode`):
+
+    --wandb-mode        WANDB_MODE        (else online)
+    --wandb-project     WANDB_PROJECT     (else "slime")
+    --wandb-team        WANDB_ENTITY      (else the API key's default entity)
+    --wandb-group       WANDB_RUN_GROUP
+    --wandb-dir         WANDB_DIR         (else the working directory)
+    --wandb-key         WANDB_API_KEY     (else `wandb login`'s; never put in the run config)
+    --wandb-host        WANDB_BASE_URL    (else https://api.wandb.ai)
+    --wandb-run-id      WANDB_RUN_ID      (else, when resuming from --load, the id that run saved; else new)
+    --tensorboard-dir   TENSORBOARD_DIR   (else tensorboard_log/<--tb-project-name>/<--tb-experiment-name>)
+
+A resumed run (`--load` with a checkpoint) continues the wandb run whose id the earlier run saved in
+`--save/wandb_run_id.txt` (`resume="allow"`).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import numbers
 import os
-import uuid
+import secrets
+import string
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +36,21 @@ from slime.utils.atomic_dir import atomic_write_text
 
 logger = logging.getLogger("slime")
 
-# (metric key, label, format) of the per-rollout line, in print order; missing keys are skipped.
+WANDB_RUN_ID_FILE = "wandb_run_id.txt"  # in --save: the wandb run a resume of this run continues
+TRAIN_PREFIXES = ("train/", "critic/")  # plotted against train/step in wandb; the rest against rollout/step
+
+# (metric key, label, unit) of the per-rollout line, in print order; missing keys are skipped.
 STEP_LINE_FIELDS = (
-    ("rollout/reward", "reward", "{:.3f}"),
-    ("train/kl_loss", "kl", "{:.4f}"),
-    ("train/ppo_kl", "ppo_kl", "{:.4f}"),
-    ("train/loss", "loss", "{:.4f}"),
-    ("train/grad_norm", "grad_norm", "{:.3f}"),
-    ("rollout/response_length", "resp_len", "{:.1f}"),
-    ("rollout/truncated", "truncated", "{:.2f}"),
-    ("rollout/tokens_per_s", "rollout_tok/s", "{:.1f}"),
-    ("train/tokens_per_s", "train_tok/s", "{:.1f}"),
-    ("perf/step_time", "step_time", "{:.1f}s"),
+    ("rollout/reward", "reward", ""),
+    ("train/kl_loss", "kl", ""),
+    ("train/ppo_kl", "ppo_kl", ""),
+    ("train/loss", "loss", ""),
+    ("train/grad_norm", "grad_norm", ""),
+    ("rollout/response_length", "resp_len", ""),
+    ("rollout/truncated", "truncated", ""),
+    ("rollout/tokens_per_s", "rollout_tok/s", ""),
+    ("train/tokens_per_s", "train_tok/s", ""),
+    ("perf/step_time", "step_time", "s"),
 )
 
 
@@ -34,15 +58,33 @@ def configure_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
 
 
-def format_step_line(rollout_id: int, metrics: dict[str, float]) -> str:
-    """`rollout 3 | reward 0.412 | kl 0.0012 | loss -0.0101 | ... | step_time 41.2s | eval_math 0.350`."""
+def format_value(value: Any) -> str:
+    """A metric as the log line shows it: 4 significant digits, so small values stay visible.
+
+    `0.4123`, `-0.0101`, `1.2e-05`, `41.2`; from 1000 on no decimals (`12346`); integers, 0, nan and inf as
+    they are; anything else with `str`.
+    """
+    if isinstance(value, numbers.Integral):
+        return str(value)
+    if not isinstance(value, numbers.Real):
+        return str(value)
+    value = float(value)
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    if abs(value) >= 1000:
+        return f"{value:.0f}"
+    return f"{value:.4g}"
+
+
+def format_step_line(rollout_id: int, metrics: dict[str, Any]) -> str:
+    """`rollout 3 | reward 0.412 | kl 1.2e-05 | loss -0.0101 | ... | step_time 41.2s | eval_math 0.35`."""
     parts = [f"rollout {rollout_id}"]
-    for key, label, fmt in STEP_LINE_FIELDS:
+    for key, label, unit in STEP_LINE_FIELDS:
         if key in metrics:
-            parts.append(f"{label} {fmt.format(metrics[key])}")
+            parts.append(f"{label} {format_value(metrics[key])}{unit}")
     for key, value in sorted(metrics.items()):
         if key.startswith("eval/") and key.count("/") == 1:  # eval/<set name>: that set's mean reward
-            parts.append(f"eval_{key[5:]} {value:.3f}")
+            parts.append(f"eval_{key[5:]} {format_value(value)}")
     return " | ".join(parts)
 
 
@@ -121,11 +163,79 @@ class CIChecks:
             )
 
 
-def _wandb_run_name(args) -> str | None:
-    """`--wandb-group` plus a random suffix, so runs of one group differ (unless `--disable-wandb-random-suffix`)."""
+def wandb_run_id(args, start_rollout_id: int) -> str:
+    """The wandb run to log into: `--wandb-run-id`, else `WANDB_RUN_ID`, else (resuming from a `--load`
+    checkpoint) the id the earlier run saved there, else a new one (8 lowercase letters and digits, as wandb's)."""
+    if args.wandb_run_id:
+        return args.wandb_run_id
+    if os.environ.get("WANDB_RUN_ID"):
+        return os.environ["WANDB_RUN_ID"]
+    saved = Path(args.load) / WANDB_RUN_ID_FILE if args.load and start_rollout_id > 0 else None
+    if saved is not None and saved.is_file():
+        return saved.read_text().strip()
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def wandb_run_name(args, run_id: str) -> str | None:
+    """`--wandb-group` plus `_<run id>`, so runs of one group differ and a resumed run keeps its name; the group
+    alone under `--disable-wandb-random-suffix`. None without a group: `WANDB_NAME`, else wandb's random name."""
     if not args.wandb_group:
         return None
-    return args.wandb_group if args.disable_wandb_random_suffix else f"{args.wandb_group}_{uuid.uuid4().hex[:6]}"
+    return args.wandb_group if args.disable_wandb_random_suffix else f"{args.wandb_group}_{run_id}"
+
+
+def init_wandb(args, start_rollout_id: int):
+    """Start (or, resuming, continue) the wandb run; unset flags leave wandb its `WANDB_*` variables.
+
+    Raises:
+        RuntimeError: wandb refused to start (e.g. online without an API key), with the fix.
+    """
+    import wandb
+
+    run_id = wandb_run_id(args, start_rollout_id)
+    if args.wandb_dir:
+        os.makedirs(args.wandb_dir, exist_ok=True)  # wandb falls back to a temporary folder without it
+    # The key goes to wandb's login only: not into the config, nor into the command line (sys.argv), both of
+    # which wandb stores with the run.
+    credentials = {"api_key": args.wandb_key, "base_url": args.wandb_host}
+    argv = sys.argv
+    if args.wandb_key:
+        sys.argv = [arg.replace(args.wandb_key, "<redacted>") for arg in argv]
+    try:
+        run = wandb.init(
+            project=args.wandb_project or os.environ.get("WANDB_PROJECT") or "slime",
+            entity=args.wandb_team,
+            group=args.wandb_group,
+            name=wandb_run_name(args, run_id),
+            dir=args.wandb_dir,
+            mode=args.wandb_mode,
+            id=run_id,
+            resume=None if os.environ.get("WANDB_RESUME") else "allow",
+            config={k: v for k, v in vars(args).items() if k != "wandb_key"},
+            settings=wandb.Settings(**{k: v for k, v in credentials.items() if v is not None}),
+        )
+    except wandb.errors.UsageError as error:
+        raise RuntimeError(
+            f"--use-wandb: wandb did not start: {error} Log in with --wandb-key (or WANDB_API_KEY, or `wandb login`), "
+            "or keep the run local with --wandb-mode offline (upload it later with `wandb sync`)"
+        ) from error
+    finally:
+        sys.argv = argv
+    if args.save:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(args.save) / WANDB_RUN_ID_FILE, run.id + "\n")
+    return run
+
+
+def tensorboard_dir(args) -> str:
+    """`--tensorboard-dir`, else `TENSORBOARD_DIR`, else `tensorboard_log/<--tb-project-name>/<--tb-experiment-name>`
+    (defaults: `slime` and the start time, so runs do not mix)."""
+    if args.tensorboard_dir:
+        return args.tensorboard_dir
+    if os.environ.get("TENSORBOARD_DIR"):
+        return os.environ["TENSORBOARD_DIR"]
+    experiment = args.tb_experiment_name or time.strftime("%Y%m%d_%H%M%S")
+    return os.path.join("tensorboard_log", args.tb_project_name or "slime", experiment)
 
 
 class Tracker:
@@ -133,6 +243,10 @@ class Tracker:
 
     The history holds one row per rollout: metrics logged twice for a rollout (eval before training,
     then training) are merged into its row, and a resumed run drops the rows of the rollouts it redoes.
+    wandb gets the same row at step `rollout_id`, with `rollout/step` (= rollout_id) and `train/step`
+    (optimizer steps before this rollout) as x axes: `train/*` and `critic/*` are plotted against
+    `train/step`, the rest against `rollout/step` (everything against `train/step` with
+    `--wandb-always-use-train-step`). TensorBoard gets every number at step `rollout_id`.
 
     Args:
         args: Parsed arguments (sinks, `--save`).
@@ -146,31 +260,16 @@ class Tracker:
         self.history_path: Path | None = None
         self.last_row: dict[str, Any] | None = None
         self.ci = CIChecks(args) if getattr(args, "ci_test", False) else None
-        # --wandb-always-use-train-step: wandb's x axis is the optimizer step, not the rollout
-        use_train_step = getattr(args, "wandb_always_use_train_step", False)
-        self.wandb_steps_per_rollout = args.num_steps_per_rollout if use_train_step else 1
         if args.use_wandb:
-            import wandb
-
-            if args.wandb_key or args.wandb_host:
-                wandb.login(key=args.wandb_key, host=args.wandb_host, relogin=bool(args.wandb_key))
-            self.wandb = wandb.init(
-                project=args.wandb_project or "slime",
-                entity=args.wandb_team,
-                group=args.wandb_group,
-                name=_wandb_run_name(args),
-                dir=args.wandb_dir,
-                mode=args.wandb_mode,
-                id=args.wandb_run_id,
-                resume="allow" if args.wandb_run_id else None,
-                config={k: v for k, v in vars(args).items() if k != "wandb_key"},  # never upload the key
-            )
+            self.wandb = init_wandb(args, start_rollout_id)
+            self.wandb_defined: set[str] = set()
+            self.wandb_all_on_train_step = args.wandb_always_use_train_step
+            self.steps_per_rollout = args.num_steps_per_rollout
         if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            log_dir = args.tensorboard_dir or os.path.join(
-                "tensorboard", args.tb_project_name or "slime", args.tb_experiment_name or "run"
-            )
+            log_dir = tensorboard_dir(args)
+            logger.info("TensorBoard logs go to %s", log_dir)
             self.tensorboard = SummaryWriter(log_dir=log_dir)
         if args.save:
             self.history_path = Path(args.save) / "metrics.jsonl"
@@ -212,11 +311,11 @@ class Tracker:
     def _write(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         logger.info(format_step_line(rollout_id, metrics))
         if self.wandb is not None:
-            step = rollout_id * self.wandb_steps_per_rollout
-            self.wandb.log({**metrics, "rollout_id": rollout_id, "train/step": step}, step=step)
+            self._log_wandb(rollout_id, metrics)
         if self.tensorboard is not None:
             for key, value in metrics.items():
-                self.tensorboard.add_scalar(key, value, rollout_id)
+                if isinstance(value, numbers.Real):
+                    self.tensorboard.add_scalar(key, value, rollout_id)
             self.tensorboard.flush()
         if self.history_path is None:
             return
@@ -227,6 +326,15 @@ class Tracker:
         self.last_row = {"rollout_id": rollout_id, **metrics}
         with self.history_path.open("a") as f:
             f.write(json.dumps(self.last_row) + "\n")
+
+    def _log_wandb(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        for key in metrics.keys() - self.wandb_defined:
+            on_train_step = self.wandb_all_on_train_step or key.startswith(TRAIN_PREFIXES)
+            self.wandb.define_metric(key, step_metric="train/step" if on_train_step else "rollout/step")
+            self.wandb_defined.add(key)
+        # A rollout logged twice (eval, then training) stays one wandb row: same step.
+        axes = {"rollout/step": rollout_id, "train/step": rollout_id * self.steps_per_rollout}
+        self.wandb.log({**metrics, **axes}, step=rollout_id)
 
     def finish(self) -> None:
         """Close the sinks; under `--ci-test` fail when the checked metric never reached its threshold."""

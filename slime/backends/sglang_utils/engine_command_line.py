@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from slime.utils.arguments import SGLANG_MANAGED_FIELDS
+from slime.utils.engine_args import engine_api_key as engine_api_key  # importable here, as before
 
 logger = logging.getLogger(__name__)
 
@@ -186,12 +187,6 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
             "api_key": api_key,
         }
     )
-
-
-def engine_api_key(args: argparse.Namespace) -> str | None:
-    """The key engines require (`--sglang-api-key`), or None when they take requests without one."""
-    options = _normalized_options(getattr(args, "sglang_server_args", None) or {})
-    return options.get("api_key") or getattr(args, "sglang_api_key", None) or None
 
 
 def cpu_engine_num_threads(args: argparse.Namespace) -> int:

@@ -139,8 +139,26 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_opd_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("on-policy distillation")
-    group.add_argument("--use-opd", action="store_true", help="Subtract opd-kl-coef x (student - teacher) log-prob.")
-    group.add_argument("--opd-type", choices=["sglang", "megatron"], default="sglang", help="Where the teacher runs.")
+    group.add_argument(
+        "--use-opd",
+        action="store_true",
+        help="On-policy distillation: subtract --opd-kl-coef x (student - teacher log-prob) from the advantage of "
+        "every response token (the teacher's log-probs are Sample.teacher_log_probs). Without --rm-type and "
+        "--custom-rm-path every reward is 0: pure distillation.",
+    )
+    group.add_argument(
+        "--opd-type",
+        choices=["sglang", "megatron"],
+        default="sglang",
+        help="Where the teacher runs. sglang: an engine (SGLang on GPU, the CPU engine on CPU) at --opd-teacher-url, "
+        "or user code sets Sample.teacher_log_probs. megatron: loaded in the trainer (not implemented).",
+    )
+    group.add_argument(
+        "--opd-teacher-url",
+        default=None,
+        help="Base URL (or /generate URL) of the engine serving the teacher; the default rollout asks it for the "
+        "log-prob of every response token. The teacher must share the student's tokenizer.",
+    )
     group.add_argument("--opd-kl-coef", type=float, default=1.0, help="Weight of the teacher term.")
     group.add_argument("--opd-teacher-load", default=None, help="Teacher checkpoint (--opd-type megatron).")
     group.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="Step of the teacher checkpoint.")

@@ -38,9 +38,12 @@ _NO_DISK_SYNC = Refusal(
     "only disk weight sync reads it, and disk (and delta) weight sync is not implemented",
     "drop it; weights reach the engines as tensors (--colocate) or by a collective broadcast",
 )
-_NO_OPD = Refusal(
-    "only --use-opd reads it, and on-policy distillation is not implemented yet",
-    "drop it (for a KL penalty towards a fixed model use --use-kl-loss with --ref-load <teacher>)",
+_OPD_ENGINE_TEACHER = (
+    "serve the teacher with an engine and pass --opd-type sglang --opd-teacher-url http://HOST:PORT "
+    "(python -m slime.backends.cpu_engine --model-path <teacher> on CPU, sglang.launch_server on GPU)"
+)
+_NO_TRAINER_TEACHER = Refusal(
+    "only --opd-type megatron reads it, and a teacher loaded in the trainer is not implemented", _OPD_ENGINE_TEACHER
 )
 _NO_BUFFER_PLUGIN = Refusal(
     "the HTTP trajectory-buffer plugin is not implemented",
@@ -140,14 +143,15 @@ REFUSED_FLAGS: dict[str, Refusal] = {
     "use_rollout_entropy": Refusal(
         "the engines' entropy is not recorded", "drop it (the trainer's entropy is in the train metrics)"
     ),
-    "use_opd": Refusal(
-        "on-policy distillation is not implemented yet",
-        "drop it; for a KL penalty towards a fixed model use --use-kl-loss with --ref-load <teacher>",
+    # A second set of weights swapped into the model, like the reference, needs each backend to read a second
+    # checkpoint into its own shard layout; neither does yet.
+    "opd_type": Refusal(
+        "a teacher loaded in the trainer (on-policy distillation with --opd-type megatron) is not implemented",
+        _OPD_ENGINE_TEACHER,
+        values=("megatron",),
     ),
-    "opd_type": _NO_OPD,
-    "opd_kl_coef": _NO_OPD,
-    "opd_teacher_load": _NO_OPD,
-    "opd_teacher_ckpt_step": _NO_OPD,
+    "opd_teacher_load": _NO_TRAINER_TEACHER,
+    "opd_teacher_ckpt_step": _NO_TRAINER_TEACHER,
     # data, eval, buffer
     "multimodal_keys": Refusal("multimodal prompts are not supported yet", "drop it; prompts are text or messages"),
     "balance_by_flops": Refusal(

@@ -179,8 +179,46 @@ def _validate_algorithm(args: argparse.Namespace) -> None:
     _validate_algorithm_registries(args)
     if args.use_kl_loss and args.kl_loss_coef == 0:
         logger.warning("--use-kl-loss with --kl-loss-coef 0 computes the KL but gives it no weight.")
-    if args.use_opd and args.opd_type == "megatron" and not args.opd_teacher_load:
-        _fail("--use-opd --opd-type megatron needs --opd-teacher-load (the teacher checkpoint).")
+    _validate_opd(args)
+
+
+def _validate_opd(args: argparse.Namespace) -> None:
+    """On-policy distillation: its flags need --use-opd, which needs the advantages and a source of teacher log-probs
+    (--opd-type megatron is refused before this runs)."""
+    if not args.use_opd:
+        given = [flag for flag, value in (("--opd-teacher-url", args.opd_teacher_url),) if value is not None]
+        given += ["--opd-kl-coef"] if args.opd_kl_coef != 1.0 else []
+        if given:
+            _fail(f"{', '.join(given)} only take effect with --use-opd (on-policy distillation); add it or drop them.")
+        return
+    if args.opd_kl_coef < 0:
+        _fail(
+            f"--opd-kl-coef must be >= 0 (got {args.opd_kl_coef}): it weighs the student's reverse KL to the teacher."
+        )
+    if loss_kind(args.loss_type) == "sft_loss" or args.disable_compute_advantages_and_returns:
+        _fail(
+            "--use-opd (on-policy distillation) puts the teacher term into the advantages, which --loss-type sft_loss "
+            "and --disable-compute-advantages-and-returns leave unused; use --loss-type policy_loss."
+        )
+    if args.opd_teacher_url is not None and not re.match(r"https?://[^/]+", args.opd_teacher_url):
+        _fail(f"--opd-teacher-url {args.opd_teacher_url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:30000.")
+    user_code = (
+        args.custom_rm_path,
+        args.custom_reward_post_process_path,
+        args.custom_generate_function_path,
+        args.custom_convert_samples_to_train_data_path,
+        args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION_PATH,
+        args.load_debug_rollout_data,  # saved samples keep their teacher_log_probs
+    )
+    if args.opd_teacher_url is None and not any(user_code):
+        _fail(
+            "--use-opd (on-policy distillation) needs the teacher's log-probs: pass --opd-teacher-url http://HOST:PORT "
+            "of an engine serving the teacher (python -m slime.backends.cpu_engine --model-path <teacher> on CPU, "
+            "sglang.launch_server on GPU), or set Sample.teacher_log_probs in your --custom-rm-path, "
+            "--custom-reward-post-process-path, generate or rollout function."
+        )
+    if args.opd_kl_coef == 0:
+        logger.warning("--use-opd with --opd-kl-coef 0 asks the teacher but gives its term no weight.")
 
 
 def _validate_data(args: argparse.Namespace) -> None:

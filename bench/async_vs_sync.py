@@ -1,0 +1,222 @@
+"""Fully async vs synchronous GRPO: steps/s, staleness and reward on the same machine, one after the other.
+
+    bash scripts/run-quickstart-cpu.sh            # once: prepares the model and data/addition/
+    python bench/async_vs_sync.py --model models/SmolLM2-135M-Instruct --num-rollout 10
+
+Both runs use the CPU quickstart's training config (8 prompts x 4 samples, 32 new tokens, temperature
+0.5, GRPO, lr 2e-5, token-budget micro-batches) without its eval and saves, so a step is generation and
+training only, and train on the same number of samples:
+
+- sync: `train.py`; generation and training take turns, so each gets all `--cores` threads in its turn
+  (train.py's warning that 2 + 2 threads exceed 2 cores is expected: the two never run at once).
+- async: `train_async.py --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async
+  --max-weight-staleness 1`; the engine generates while the trainer trains, so they split the cores
+  (2 cores: one thread each).
+
+Steps/s leave out each run's first step (warm-up: the first batch is generated with nothing to overlap).
+Reward is the mean `rollout/reward` of the last `--last-k` rollouts with its standard error over those
+rollouts (each the mean of the same number of samples). Staleness (async only) is `rollout/staleness_mean`
+averaged over the steps and the largest `rollout/staleness_max`, in weight pushes. Each run writes its
+metrics.jsonl to `--output-dir`/{sync,async}/ and its log to {sync,async}.log there; the figures go to
+`--output-dir`/async_vs_sync.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+
+
+@dataclass
+class ModeResult:
+    """Figures of one run.
+
+    steps_per_s: measured steps over their summed `perf/step_time` (the first step left out).
+    reward_mean / reward_se: mean `rollout/reward` of the last k rollouts and its standard error
+        (None with k < 2).
+    staleness_mean / staleness_max: over all steps, in weight pushes; None for the sync run.
+    trainer_wait_mean / generation_wait_mean: per step, seconds the trainer waited for its batch and the
+        generation loop sat idle with its pipeline full (async only).
+    wall_s: the whole run, startup included.
+    """
+
+    mode: str
+    command: list[str]
+    steps_per_s: float
+    measured_steps: int
+    step_times: list[float]
+    rewards: list[float]
+    reward_mean: float
+    reward_se: float | None
+    staleness_mean: float | None
+    staleness_max: float | None
+    stale_groups: float | None
+    trainer_wait_mean: float | None
+    generation_wait_mean: float | None
+    wall_s: float
+    load_average_before: float
+
+
+def quickstart_flags(model: Path, data: Path, num_rollout: int, save_dir: Path) -> list[str]:
+    """scripts/run-quickstart-cpu.sh's training flags, without its eval, saves and thread budgets."""
+    return [
+        "--hf-checkpoint", str(model),
+        "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+        "--rm-type", "last_number",
+        "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--num-rollout", str(num_rollout),
+        "--rollout-max-response-len", "32", "--rollout-temperature", "0.5",
+        "--advantage-estimator", "grpo", "--lr", "2e-5",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
+        "--save", str(save_dir),
+    ]  # fmt: skip
+
+
+def column(rows: list[dict], key: str) -> list[float]:
+    """The values of `key` in the rows that have it."""
+    return [row[key] for row in rows if key in row]
+
+
+def mean_or_none(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize(mode: str, command: list[str], rows: list[dict], last_k: int, wall_s: float, load: float) -> ModeResult:
+    """The figures of one run from its metrics.jsonl rows (one per trained rollout, in order)."""
+    step_times = column(rows, "perf/step_time")
+    measured = step_times[1:]
+    rewards = column(rows, "rollout/reward")
+    last = rewards[-last_k:]
+    staleness_max = column(rows, "rollout/staleness_max")
+    stale_groups = column(rows, "rollout/stale_groups")
+    return ModeResult(
+        mode=mode,
+        command=command,
+        steps_per_s=len(measured) / sum(measured) if measured else math.nan,
+        measured_steps=len(measured),
+        step_times=step_times,
+        rewards=rewards,
+        reward_mean=sum(last) / len(last),
+        reward_se=statistics.stdev(last) / math.sqrt(len(last)) if len(last) > 1 else None,
+        staleness_mean=mean_or_none(column(rows, "rollout/staleness_mean")),
+        staleness_max=max(staleness_max) if staleness_max else None,
+        stale_groups=sum(stale_groups) if stale_groups else None,
+        trainer_wait_mean=mean_or_none(column(rows, "perf/trainer_wait_time")),
+        generation_wait_mean=mean_or_none(column(rows, "rollout/generation_wait_time")),
+        wall_s=wall_s,
+        load_average_before=load,
+    )
+
+
+def run_mode(mode: str, script: str, flags: list[str], save_dir: Path, num_rollout: int, last_k: int) -> ModeResult:
+    """Run `python <script> <flags>` with its output in `save_dir`.log and summarize its metrics.jsonl."""
+    command = [sys.executable, script, *flags]
+    log_path = save_dir.with_suffix(".log")
+    load = os.getloadavg()[0]
+    print(f"{mode}: {script}, {num_rollout} rollouts (log: {log_path}; load average before {load:.2f})", flush=True)
+    started = time.perf_counter()
+    with log_path.open("w") as log:
+        code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall_s = time.perf_counter() - started
+    if code != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
+        raise SystemExit(f"{mode} run failed with exit code {code}; the end of {log_path}:\n{tail}")
+    rows = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "rollout/reward" in row]
+    if len(rows) != num_rollout:
+        raise SystemExit(f"{mode} run logged {len(rows)} rollouts, expected {num_rollout}: see {log_path}")
+    print(f"{mode}: done in {wall_s:.0f} s", flush=True)
+    return summarize(mode, command, rows, last_k, wall_s, load)
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(sync: ModeResult, fully_async: ModeResult, last_k: int) -> None:
+    print(f"\n{'':6} {'steps/s':>8} {'s/step':>7} {'reward (last ' + str(last_k) + ')':>20} {'staleness':>10}")
+    for r in (sync, fully_async):
+        reward = f"{r.reward_mean:.3f} ± {fmt(r.reward_se, '.3f')}"
+        staleness = f"{fmt(r.staleness_mean, '.2f')}/{fmt(r.staleness_max, '.0f')}"
+        print(f"{r.mode:6} {r.steps_per_s:8.4f} {1 / r.steps_per_s:7.1f} {reward:>20} {staleness:>10}")
+    print(
+        f"steps/s over steps 2..{len(sync.step_times)} (step 1, the warm-up, left out); reward ± its standard error "
+        "over rollouts; staleness mean/max in weight pushes"
+    )
+    print(f"speed ratio async/sync (steps/s): {fully_async.steps_per_s / sync.steps_per_s:.2f}x")
+    if sync.reward_se is not None and fully_async.reward_se is not None:
+        diff_se = math.hypot(sync.reward_se, fully_async.reward_se)
+        print(f"reward async - sync: {fully_async.reward_mean - sync.reward_mean:+.3f} ± {diff_se:.3f}")
+    print(
+        f"async: trainer waited {fmt(fully_async.trainer_wait_mean, '.1f')} s/step for its batch, generation idled "
+        f"{fmt(fully_async.generation_wait_mean, '.1f')} s/step, {fmt(fully_async.stale_groups, '.0f')} stale groups "
+        "dropped"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    parser.add_argument("--data", default="data/addition/train.jsonl", help="from tools/make_addition_dataset.py")
+    parser.add_argument("--num-rollout", type=int, default=10, help="rollouts (train steps) per run")
+    parser.add_argument("--last-k", type=int, default=5, help="rollouts whose reward is averaged")
+    parser.add_argument("--cores", type=int, default=2, help="sync: threads per phase; async: split between the two")
+    parser.add_argument("--max-weight-staleness", type=int, default=1)
+    parser.add_argument("--output-dir", default="outputs/bench-async-vs-sync")
+    args = parser.parse_args()
+
+    model, data, out = Path(args.model).resolve(), Path(args.data).resolve(), Path(args.output_dir).resolve()
+    hint = "run bash scripts/run-quickstart-cpu.sh once (it prepares both), or pass --model / --data"
+    for flag, path in (("--model", model), ("--data", data)):
+        if not path.exists():
+            raise SystemExit(f"{flag} {path} does not exist: {hint}")
+    if args.num_rollout < 2:
+        raise SystemExit(f"--num-rollout must be at least 2 (the first step is warm-up), got {args.num_rollout}")
+    if not 1 <= args.last_k <= args.num_rollout:
+        raise SystemExit(f"--last-k must be between 1 and --num-rollout ({args.num_rollout}), got {args.last_k}")
+    if args.cores < 2:
+        raise SystemExit(
+            f"--cores must be at least 2 (async mode gives generation and training one each), got {args.cores}"
+        )
+    for mode in ("sync", "async"):
+        if (out / mode).exists():
+            raise SystemExit(f"{out / mode} already exists: pass --output-dir <new folder>, or remove it")
+    out.mkdir(parents=True, exist_ok=True)
+
+    train_threads = args.cores // 2
+    sync_flags = quickstart_flags(model, data, args.num_rollout, out / "sync") + [
+        "--train-num-threads", str(args.cores), "--cpu-engine-num-threads", str(args.cores),
+    ]  # fmt: skip
+    async_flags = quickstart_flags(model, data, args.num_rollout, out / "async") + [
+        "--rollout-function-path", FULLY_ASYNC, "--max-weight-staleness", str(args.max_weight_staleness),
+        "--train-num-threads", str(train_threads), "--cpu-engine-num-threads", str(args.cores - train_threads),
+    ]  # fmt: skip
+    sync = run_mode("sync", "train.py", sync_flags, out / "sync", args.num_rollout, args.last_k)
+    fully_async = run_mode("async", "train_async.py", async_flags, out / "async", args.num_rollout, args.last_k)
+
+    print_table(sync, fully_async, args.last_k)
+    figures = {
+        "num_rollout": args.num_rollout,
+        "last_k": args.last_k,
+        "cores": args.cores,
+        "max_weight_staleness": args.max_weight_staleness,
+        "speed_ratio": fully_async.steps_per_s / sync.steps_per_s,
+        "sync": asdict(sync),
+        "async": asdict(fully_async),
+    }
+    (out / "async_vs_sync.json").write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"figures written to {out / 'async_vs_sync.json'}")
+
+
+if __name__ == "__main__":
+    main()

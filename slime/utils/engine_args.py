@@ -1,0 +1,62 @@
+"""What the processes that talk to the engines read off slime's arguments: how long a request may be, how long to
+retry while a failed engine is replaced, and the key engines require. One copy for the default rollout, the
+multi-turn helpers, the agent rollout and the engine launchers."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from transformers import AutoConfig
+
+
+@functools.lru_cache(maxsize=4)
+def _config_context_length(path: str) -> int:
+    config = AutoConfig.from_pretrained(path)
+    config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
+    return int(getattr(config, "max_position_embeddings", None) or 4096)
+
+
+def engine_context_length(args: argparse.Namespace) -> int:
+    """Most prompt + response tokens an engine holds.
+
+    `--sglang-context-length` on the SGLang backend, else the model config's `max_position_embeddings`
+    (what SGLang and the CPU engine read), else 4096 (the CPU engine's fallback).
+    """
+    override = (getattr(args, "sglang_server_args", None) or {}).get("context_length")
+    if override and getattr(args, "rollout_backend", "sglang") != "cpu":  # the CPU engine ignores --sglang-*
+        return int(override)
+    return _config_context_length(args.hf_checkpoint)
+
+
+def context_limit(args: argparse.Namespace, evaluation: bool = False) -> int:
+    """Most prompt + response tokens one request may reach: `--rollout-max-context-len` (`--eval-max-context-len`
+    in eval), never more than the engine holds."""
+    # SGLang refuses a request whose prompt + max_new_tokens reaches its context length, hence the - 1.
+    limit = engine_context_length(args) - 1
+    requested = (getattr(args, "eval_max_context_len", None) if evaluation else None) or getattr(
+        args, "rollout_max_context_len", None
+    )
+    return limit if requested is None else min(requested, limit)
+
+
+def engine_failover_window(args: argparse.Namespace) -> float:
+    """Seconds a request keeps being retried while a failed engine is found and taken out of the router.
+
+    0 without `--use-fault-tolerance`; otherwise long enough for the health monitor's next round
+    (interval + probe timeout) plus a margin.
+    """
+    if not getattr(args, "use_fault_tolerance", False):
+        return 0.0
+    return (
+        args.rollout_health_check_first_wait
+        + args.rollout_health_check_interval
+        + args.rollout_health_check_timeout
+        + 30.0
+    )
+
+
+def engine_api_key(args: argparse.Namespace) -> str | None:
+    """The key engines require (`--sglang-api-key`), or None when they take requests without one."""
+    options = getattr(args, "sglang_server_args", None) or {}
+    return options.get("api_key") or options.get("api-key") or getattr(args, "sglang_api_key", None) or None
