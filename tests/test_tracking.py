@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e_runs import run_driver_script, small_run_flags, write_addition_prompts
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slime.utils.arguments import parse_args
@@ -254,26 +253,3 @@ def test_tracker_flags_override_their_environment_variables(tiny_model_dir, tmp_
 def test_online_wandb_without_a_key_names_the_fix(tiny_model_dir, tmp_path):
     with pytest.raises(RuntimeError, match="--wandb-key .*--wandb-mode offline"):
         Tracker(make_args(tiny_model_dir, "--use-wandb", "--wandb-mode", "online", "--wandb-dir", str(tmp_path)))
-
-
-@pytest.mark.slow
-def test_train_py_logs_the_same_scalars_to_wandb_tensorboard_and_metrics_jsonl(tiny_model_dir, tmp_path):
-    save, wandb_dir, tb_dir = tmp_path / "save", tmp_path / "wandb_files", tmp_path / "tb"
-    prompts = write_addition_prompts(tmp_path / "prompts.jsonl")
-    flags = [
-        *small_run_flags(tiny_model_dir, prompts, save), "--num-rollout", "2",
-        "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(wandb_dir), "--wandb-key", SECRET,
-        "--use-tensorboard", "--tensorboard-dir", str(tb_dir),
-    ]  # fmt: skip
-    result = run_driver_script("train.py", *flags)
-    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    rows = jsonl_rows(save)
-    for row in rows:  # the per-rollout log line shows exactly the recorded values
-        assert format_step_line(row["rollout_id"], row) in result.stderr
-    assert [row["rollout_id"] for row in rows] == [0, 1]
-    assert {"rollout/reward", "train/loss", "train/ppo_kl", "perf/step_time"} <= rows[0].keys()
-    assert_trackers_match_jsonl(rows, wandb_dir, tb_dir)
-    (run,) = of_type(wandb_records(wandb_run_dirs(wandb_dir)[0]), "run")
-    assert run["run_id"] == (save / WANDB_RUN_ID_FILE).read_text().strip()
-    assert "wandb_key" not in run["config"]["update"]
-    assert_secret_in_no_file(tmp_path)

@@ -6,7 +6,18 @@ Each run is a subprocess, exactly as a user starts it, with a tiny random model.
 import pytest
 import torch
 from e2e_runs import rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
+from test_tracking import (
+    SECRET,
+    assert_secret_in_no_file,
+    assert_trackers_match_jsonl,
+    of_type,
+    wandb_records,
+    wandb_run_dirs,
+)
 
+from slime.utils.arguments import parse_args
+from slime.utils.misc import load_function
+from slime.utils.tracking import WANDB_RUN_ID_FILE, format_step_line
 from slime.utils.types import Sample
 
 
@@ -15,9 +26,11 @@ def prompt_file(tmp_path_factory):
     return write_addition_prompts(tmp_path_factory.mktemp("e2e_data") / "train.jsonl")
 
 
-def run_script(script: str, model_dir, prompt_file, save_dir, *extra, timeout=300):
+def run_script(script: str, model_dir, prompt_file, save_dir, *extra, timeout=300, output: list | None = None):
     result = run_driver_script(script, *small_run_flags(model_dir, prompt_file, save_dir), *extra, timeout=timeout)
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    if output is not None:
+        output.append(result)
     return rollout_rows(save_dir)
 
 
@@ -26,13 +39,20 @@ def rollout_prompts(save_dir, rollout_id):
     return [Sample.from_dict(d).prompt for d in saved["samples"]]
 
 
-def test_disaggregated_run_trains_and_syncs(tiny_model_dir, prompt_file, tmp_path):
+def test_disaggregated_run_trains_syncs_and_logs_to_every_tracker(tiny_model_dir, prompt_file, tmp_path):
+    """Also the trackers' end-to-end test (one run fewer in the suite): wandb offline and TensorBoard hold the
+    scalars of metrics.jsonl, and the wandb key given on the command line is in no file."""
+    save, wandb_dir, tb_dir = tmp_path / "save", tmp_path / "wandb_files", tmp_path / "tb"
+    output = []
     history = run_script(
-        "train.py", tiny_model_dir, prompt_file, tmp_path,
+        "train.py", tiny_model_dir, prompt_file, save,
         "--num-rollout", "2", "--save-interval", "1", "--check-weight-update-equal",
         "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
         # A tiny random model never answers right; a reward that differs within every group gives a gradient.
         "--custom-rm-path", "e2e_rewards.alternating_reward",
+        "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(wandb_dir), "--wandb-key", SECRET,
+        "--use-tensorboard", "--tensorboard-dir", str(tb_dir),
+        output=output,
     )  # fmt: skip
     assert [h["rollout_id"] for h in history] == [0, 1]
     first = history[0]
@@ -42,20 +62,40 @@ def test_disaggregated_run_trains_and_syncs(tiny_model_dir, prompt_file, tmp_pat
     # After one update the engines serve the new weights: log-probs still agree with the trainer.
     assert history[1]["train/train_rollout_logprob_max_abs_diff"] <= 1e-4
     assert history[1]["train/kl_loss"] != 0.0
-    tracker = (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip()
+    tracker = (save / "latest_checkpointed_iteration.txt").read_text().strip()
     assert tracker == "1"
+
+    for row in history:  # the per-rollout log line shows exactly the recorded values
+        assert format_step_line(row["rollout_id"], row) in output[0].stderr
+    assert {"rollout/reward", "train/loss", "train/ppo_kl", "perf/step_time"} <= history[0].keys()
+    assert_trackers_match_jsonl(history, wandb_dir, tb_dir)
+    (run,) = of_type(wandb_records(wandb_run_dirs(wandb_dir)[0]), "run")
+    assert run["run_id"] == (save / WANDB_RUN_ID_FILE).read_text().strip()
+    assert "wandb_key" not in run["config"]["update"]
+    assert_secret_in_no_file(tmp_path)
+
+
+def uninterrupted_prompts(model_dir, prompt_file, save_dir, num_rollout: int) -> list[list[str]]:
+    """Each rollout's prompts (once per sample) as a data source that is never interrupted hands them out."""
+    args = parse_args(small_run_flags(model_dir, prompt_file, save_dir) + ["--num-rollout", str(num_rollout)])
+    data_source = load_function(args.data_source_path)(args)
+    return [
+        [sample.prompt for group in data_source.get_samples(args.rollout_batch_size) for sample in group]
+        for _ in range(num_rollout)
+    ]
 
 
 def test_resume_continues_with_the_same_prompts_and_step(tiny_model_dir, prompt_file, tmp_path):
-    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    run_script("train.py", tiny_model_dir, prompt_file, straight, "--num-rollout", "3")
+    interrupted = tmp_path / "interrupted"
     run_script("train.py", tiny_model_dir, prompt_file, interrupted, "--num-rollout", "2", "--save-interval", "1")
     resumed = run_script(
         "train.py", tiny_model_dir, prompt_file, interrupted, "--num-rollout", "3", "--load", str(interrupted)
     )
     assert [h["rollout_id"] for h in resumed][-1] == 2
-    assert rollout_prompts(interrupted, 2) == rollout_prompts(straight, 2)
-    assert rollout_prompts(interrupted, 1) == rollout_prompts(straight, 1)
+    expected = uninterrupted_prompts(tiny_model_dir, prompt_file, tmp_path / "unused", 3)
+    for rollout_id in range(3):
+        assert sorted(rollout_prompts(interrupted, rollout_id)) == sorted(expected[rollout_id]), rollout_id
+    assert expected[2] != expected[1]  # the check can tell rollouts apart
 
 
 def test_colocated_run_offloads_and_trains(tiny_model_dir, prompt_file, tmp_path):
