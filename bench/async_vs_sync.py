@@ -172,6 +172,12 @@ def main() -> None:
     parser.add_argument("--last-k", type=int, default=5, help="rollouts whose reward is averaged")
     parser.add_argument("--cores", type=int, default=2, help="sync: threads per phase; async: split between the two")
     parser.add_argument("--max-weight-staleness", type=int, default=1)
+    parser.add_argument(
+        "--async-train-threads",
+        type=int,
+        default=None,
+        help="async: trainer threads (default: half the cores; the engine gets the rest, at least 1)",
+    )
     parser.add_argument("--output-dir", default="outputs/bench-async-vs-sync")
     args = parser.parse_args()
 
@@ -193,13 +199,14 @@ def main() -> None:
             raise SystemExit(f"{out / mode} already exists: pass --output-dir <new folder>, or remove it")
     out.mkdir(parents=True, exist_ok=True)
 
-    train_threads = args.cores // 2
+    train_threads = args.async_train_threads or args.cores // 2
+    engine_threads = max(1, args.cores - train_threads)
     sync_flags = quickstart_flags(model, data, args.num_rollout, out / "sync") + [
         "--train-num-threads", str(args.cores), "--cpu-engine-num-threads", str(args.cores),
     ]  # fmt: skip
     async_flags = quickstart_flags(model, data, args.num_rollout, out / "async") + [
         "--rollout-function-path", FULLY_ASYNC, "--max-weight-staleness", str(args.max_weight_staleness),
-        "--train-num-threads", str(train_threads), "--cpu-engine-num-threads", str(args.cores - train_threads),
+        "--train-num-threads", str(train_threads), "--cpu-engine-num-threads", str(engine_threads),
     ]  # fmt: skip
     sync = run_mode("sync", "train.py", sync_flags, out / "sync", args.num_rollout, args.last_k)
     fully_async = run_mode("async", "train_async.py", async_flags, out / "async", args.num_rollout, args.last_k)
