@@ -54,7 +54,7 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dynamic-sampling-filter-path",
         default=None,
-        help="f(args, samples, **kw) -> DynamicFilterOutput | bool, deciding whether a group is kept.",
+        help="f(args, samples) -> DynamicFilterOutput | bool, called with one group's samples: keep the group or not.",
     )
     group.add_argument(
         "--partial-rollout",
@@ -272,6 +272,8 @@ def _add_buffer_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-pad-size-multiplier", type=int, default=128, help="Pad packed sequences to a multiple of this."
     )
     group.add_argument(
-        "--rollout-sample-filter-path", default=None, help="f(args, samples) setting sample.remove_sample."
+        "--rollout-sample-filter-path",
+        default=None,
+        help="f(args, groups) setting sample.remove_sample (groups: the kept lists of samples).",
     )
     group.add_argument("--rollout-all-samples-process-path", default=None, help="f(args, all_samples, data_source).")
