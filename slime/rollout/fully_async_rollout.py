@@ -48,7 +48,13 @@ from dataclasses import dataclass
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer
 from slime.rollout.rm_hub import batched_async_rm
-from slime.rollout.sglang_rollout import generate_and_rm, generate_rollout, get_state, sampling_params_from_args
+from slime.rollout.sglang_rollout import (
+    generate_and_rm,
+    generate_rollout,
+    get_state,
+    reset_to_prompt,
+    sampling_params_from_args,
+)
 from slime.utils.async_utils import get_event_loop, run
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
@@ -138,15 +144,6 @@ def staleness_metrics(groups: list[list[Sample]], trainer_version: int | None) -
     except ValueError:
         return {}
     return {"rollout/staleness_mean": sum(values) / len(values), "rollout/staleness_max": float(max(values))}
-
-
-def reset_to_prompt(sample: Sample) -> Sample:
-    """A copy of the sample as the data source handed it out: prompt only, no response, no reward."""
-    fresh = copy.deepcopy(sample)
-    fresh.tokens, fresh.response, fresh.response_length = [], "", 0
-    fresh.loss_mask = fresh.rollout_log_probs = fresh.teacher_log_probs = None
-    fresh.weight_versions, fresh.reward, fresh.status, fresh.remove_sample = [], None, Status.PENDING, False
-    return fresh
 
 
 # ---------------------------------------------------------------------------------------------

@@ -208,19 +208,19 @@ async def abort_engines(args) -> None:
             logger.warning("abort_request on %s failed: %s", url, e)
 
 
-def _fresh_copy(sample: Sample) -> Sample:
-    """The sample as it came from the data source: prompt only, no response, no reward."""
-    fresh = copy.copy(sample)
+def reset_to_prompt(sample: Sample) -> Sample:
+    """A copy of the sample as the data source handed it out: prompt only, no response, no reward, trainable."""
+    fresh = copy.deepcopy(sample)
     fresh.tokens, fresh.response, fresh.response_length = [], "", 0
     fresh.loss_mask = fresh.rollout_log_probs = fresh.teacher_log_probs = None
-    fresh.weight_versions, fresh.reward, fresh.status = [], None, Status.PENDING
+    fresh.weight_versions, fresh.reward, fresh.status, fresh.remove_sample = [], None, Status.PENDING, False
     return fresh
 
 
 def _partial_or_fresh(sample: Sample) -> Sample:
     """An aborted sample keeps its partial response, to be continued; any other starts over."""
     if sample.status != Status.ABORTED:
-        return _fresh_copy(sample)
+        return reset_to_prompt(sample)
     sample.status, sample.reward = Status.PENDING, None
     return sample
 
@@ -236,7 +236,7 @@ def _return_to_data_source(args, groups: list[list[Sample]], data_source) -> int
     Under `--partial-rollout` aborted samples keep their partial responses; everything else goes
     back as fresh prompts, so no prompt is lost either way.
     """
-    reset = _partial_or_fresh if args.partial_rollout else _fresh_copy
+    reset = _partial_or_fresh if args.partial_rollout else reset_to_prompt
     returned = [[reset(s) for s in group] for group in groups]
     if returned:
         data_source.add_samples(returned)
