@@ -6,12 +6,14 @@ import contextlib
 import os
 import subprocess
 import sys
+from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from slime.backends.sglang_utils.http_client import EngineClient
+from slime.backends.sglang_utils.router import add_worker, router_cli_parser, start_router, wait_for_workers
 from slime.utils.http_utils import find_free_port, wait_until_healthy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +37,38 @@ def engine_server(model_dir: str | Path, *flags: str) -> Iterator[tuple[subproce
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def router_options(**changed) -> dict:
+    """`args.router_args` as slime's parser leaves it: every RouterArgs field at sglang-router's default, plus
+    what the user changed."""
+    defaults = {action.dest: action.default for action in router_cli_parser()._actions if action.dest != "help"}
+    return defaults | changed
+
+
+def router_args(log_dir: str | Path, request_timeout: float = 120, **changed) -> Namespace:
+    """The arguments `start_router` reads: `router_options(**changed)`, a free port on 127.0.0.1, logs under
+    `log_dir`."""
+    return Namespace(
+        sglang_router_ip=None,
+        sglang_router_port=None,
+        sglang_router_request_timeout_secs=request_timeout,
+        router_args=router_options(**changed),
+        server_log_dir=str(log_dir),
+    )
+
+
+@contextlib.contextmanager
+def router_for(engine_urls: list[str], args: Namespace, api_key: str | None = None) -> Iterator[str]:
+    """A real sglang-router started from `args` with `engine_urls` registered; yields its URL, stops it on exit."""
+    router = start_router(args)
+    try:
+        for url in engine_urls:
+            add_worker(router.url, url, api_key=api_key)
+        wait_for_workers(router.url, engine_urls, timeout=30)
+        yield router.url
+    finally:
+        router.stop()
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from engine_process import engine_server
+from engine_process import engine_server, router_args, router_for
 from transformers import AutoTokenizer
 
 from slime.utils.arguments import build_parser, parse_args
@@ -431,25 +431,11 @@ def test_algorithm_snippets_become_flag_values_and_compute_as_documented(tiny_mo
 # ---- snippets against a real CPU engine behind sglang-router -------------------------------------------------
 @pytest.fixture(scope="module")
 def serving(tiny_model_dir, tmp_path_factory):
-    """(engine URL, router URL): one CPU engine on the tiny model, registered with a real sglang-router."""
-    from slime.backends.sglang_utils.router import add_worker, router_cli_parser, start_router, wait_for_workers
-
+    """(engine URL, router args): one CPU engine on the tiny model, registered with a real sglang-router."""
     with engine_server(tiny_model_dir, "--context-length", "1024") as (_, engine_url):
-        defaults = {action.dest: action.default for action in router_cli_parser()._actions if action.dest != "help"}
-        router_args = argparse.Namespace(
-            sglang_router_ip=None,
-            sglang_router_port=None,
-            sglang_router_request_timeout_secs=120,
-            router_args=defaults,
-            server_log_dir=str(tmp_path_factory.mktemp("router_logs")),
-        )
-        router = start_router(router_args)
-        try:
-            add_worker(router.url, engine_url)
-            wait_for_workers(router.url, [engine_url], timeout=30)
-            yield engine_url, router_args
-        finally:
-            router.stop()
+        args = router_args(tmp_path_factory.mktemp("router_logs"))
+        with router_for([engine_url], args):
+            yield engine_url, args
 
 
 def rollout_args(model_dir, prompts: Path, serving, *extra: str) -> argparse.Namespace:

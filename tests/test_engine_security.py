@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import requests
+from engine_process import router_args, router_for
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
 from slime.backends.sglang_utils.http_client import EngineClient
-from slime.backends.sglang_utils.router import add_worker, router_cli_parser, start_router, wait_for_workers
 from slime.backends.sglang_utils.server_process import launch_server_process, stop_server_process
 from slime.utils.arguments import ArgumentValidationError, parse_args
 from slime.utils.http_utils import HTTPRequestError, find_free_port, wait_until_healthy
@@ -132,24 +132,11 @@ def test_engine_flags_are_validated():
 
 def test_keyed_engine_works_behind_the_real_router(engine, tmp_path):
     _, url = engine
-    defaults = {action.dest: action.default for action in router_cli_parser()._actions if action.dest != "help"}
-    args = Namespace(
-        sglang_router_ip=None,
-        sglang_router_port=None,
-        sglang_router_request_timeout_secs=60,
-        router_args=defaults,
-        server_log_dir=str(tmp_path),
-    )
-    router = start_router(args)
-    try:
-        # The router probes /model_info before it lists a worker: that probe carries the key too.
-        add_worker(router.url, url, api_key=KEY)
-        wait_for_workers(router.url, [url], timeout=30)
-        response = requests.post(f"{router.url}/generate", json=_generate_body(), timeout=60)  # no key: router adds it
+    # The router probes /model_info before it lists a worker: that probe carries the key too.
+    with router_for([url], router_args(tmp_path, request_timeout=60), api_key=KEY) as router_url:
+        response = requests.post(f"{router_url}/generate", json=_generate_body(), timeout=60)  # no key: router adds it
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["completion_tokens"] >= 1
-    finally:
-        router.stop()
 
 
 def test_server_log_masks_the_api_key(tmp_path):

@@ -12,14 +12,11 @@ What sglang-router 0.3.2 does with /v1 (measured here):
 """
 
 import time
-from argparse import Namespace
 
 import openai
 import pytest
 import requests
-from engine_process import engine_server
-
-from slime.backends.sglang_utils.router import add_worker, router_cli_parser, start_router, wait_for_workers
+from engine_process import engine_server, router_args, router_for
 
 MESSAGES = [{"role": "user", "content": "What is 12 + 34?"}]
 
@@ -33,21 +30,8 @@ def engine_url(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def router_url(engine_url, tmp_path_factory):
-    defaults = {action.dest: action.default for action in router_cli_parser()._actions if action.dest != "help"}
-    args = Namespace(
-        sglang_router_ip=None,
-        sglang_router_port=None,
-        sglang_router_request_timeout_secs=120,
-        router_args=defaults,
-        server_log_dir=str(tmp_path_factory.mktemp("router_logs")),
-    )
-    router = start_router(args)
-    try:
-        add_worker(router.url, engine_url)
-        wait_for_workers(router.url, [engine_url], timeout=30)
-        yield router.url
-    finally:
-        router.stop()
+    with router_for([engine_url], router_args(tmp_path_factory.mktemp("router_logs"))) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

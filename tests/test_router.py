@@ -7,13 +7,13 @@ from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from engine_process import router_args, router_options
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
 from slime.backends.sglang_utils.router import (
     add_worker,
     list_workers,
     remove_worker,
-    router_cli_parser,
     start_router,
     wait_for_workers,
 )
@@ -25,23 +25,10 @@ def log_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("server_logs")
 
 
-def _router_args(**changed):
-    """Like slime's parser: every RouterArgs field at sglang-router's default, plus what the user changed."""
-    defaults = {action.dest: action.default for action in router_cli_parser()._actions if action.dest != "help"}
-    return defaults | changed
-
-
 @pytest.fixture(scope="module")
 def router(log_dir):
     # round_robin: the default cache_aware policy would send identical prompts to one engine.
-    args = Namespace(
-        sglang_router_ip=None,
-        sglang_router_port=None,
-        sglang_router_request_timeout_secs=120,
-        router_args=_router_args(policy="round_robin"),
-        server_log_dir=str(log_dir),
-    )
-    handle = start_router(args)
+    handle = start_router(router_args(log_dir, policy="round_robin"))
     yield handle
     handle.stop()
 
@@ -125,7 +112,7 @@ def test_wait_for_workers_names_missing_worker(router):
 
 def test_running_router_is_reused_not_launched(router):
     host, port = router.url.removeprefix("http://").split(":")
-    args = Namespace(sglang_router_ip=host, sglang_router_port=int(port), router_args=_router_args(policy="random"))
+    args = Namespace(sglang_router_ip=host, sglang_router_port=int(port), router_args=router_options(policy="random"))
     external = start_router(args)
     assert external.process is None and external.url == router.url
     external.stop()
