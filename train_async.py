@@ -14,12 +14,16 @@ Engines and trainer run at the same time, so they cannot share devices: `--coloc
 
 from __future__ import annotations
 
-import time
+import logging
+import os
 
 import ray
 
 from slime.ray.driver import create_training_run, finish, run_driver, save_checkpoint, train_one_rollout, update_weights
+from slime.ray.progress import get_with_progress
+from slime.utils.arguments.validation import cpu_thread_counts
 from slime.utils.misc import should_run_periodic_action
+from slime.utils.perf import PhaseTimer
 
 
 def train(args) -> None:
@@ -30,17 +34,24 @@ def train(args) -> None:
         )
     if args.debug_rollout_only:
         raise SystemExit("--debug-rollout-only has nothing to overlap: use train.py --debug-rollout-only")
+    trainer_threads, engine_threads = cpu_thread_counts(args)
+    if trainer_threads + engine_threads > (os.cpu_count() or 1):
+        logging.getLogger("slime").warning(
+            "%d trainer threads + %d CPU engine threads exceed the %d cores, and here they run at the same time; "
+            "oversubscribed threads slow everything down. Lower --train-num-threads / --cpu-engine-num-threads",
+            trainer_threads, engine_threads, os.cpu_count(),
+        )  # fmt: skip
     run = create_training_run(args)
     manager = run.rollout_manager
     if args.eval_interval and not args.skip_eval_before_train:
-        run.tracker.log(run.start_rollout_id, ray.get(manager.eval.remote(run.start_rollout_id)))
+        run.tracker.log(run.start_rollout_id, get_with_progress(manager, manager.eval.remote(run.start_rollout_id)))
 
     next_batch = manager.generate.remote(run.start_rollout_id, run.dp_size)
     in_background = None  # known once the first batch is back
     for rollout_id in range(run.start_rollout_id, run.num_rollout):
-        step_started = time.time()
-        batch = ray.get(next_batch)
-        waited = time.time() - step_started
+        timer = PhaseTimer()  # perf/<phase>_time of the phases below; they add up to perf/step_time
+        with timer.phase("train_wait"):  # the trainer idle, waiting for its batch
+            batch = get_with_progress(manager, next_batch)
         if in_background is None:
             in_background = ray.get(manager.generates_in_background.remote())
         has_next = rollout_id + 1 < run.num_rollout
@@ -48,20 +59,23 @@ def train(args) -> None:
             next_batch = manager.generate.remote(rollout_id + 1, run.dp_size)
 
         metrics = dict(batch.metrics)
-        metrics |= train_one_rollout(run, rollout_id, batch.data_refs)
+        with timer.phase("train"):
+            metrics |= train_one_rollout(run, rollout_id, batch.data_refs)
         if should_run_periodic_action(rollout_id, args.save_interval, run.num_rollout_per_epoch, run.num_rollout):
-            save_checkpoint(run, rollout_id)
+            with timer.phase("save"):
+                save_checkpoint(run, rollout_id)
         if (rollout_id + 1) % args.update_weights_interval == 0:
             if has_next and not in_background:
-                ray.wait([next_batch])  # never swap weights under a running one-step-ahead rollout
-            metrics |= update_weights(run)
+                with timer.phase("train_wait"):
+                    ray.wait([next_batch])  # never swap weights under a running one-step-ahead rollout
+            with timer.phase("update_weights"):
+                metrics |= update_weights(run)
         if should_run_periodic_action(rollout_id, args.eval_interval, run.num_rollout_per_epoch):
-            metrics |= ray.get(manager.eval.remote(rollout_id))
+            with timer.phase("eval"):
+                metrics |= get_with_progress(manager, manager.eval.remote(rollout_id))
         if has_next and in_background:
             next_batch = manager.generate.remote(rollout_id + 1, run.dp_size)
-        metrics["perf/trainer_wait_time"] = waited  # the trainer idle, waiting for its batch
-        metrics["perf/step_time"] = time.time() - step_started
-        run.tracker.log(rollout_id, metrics)
+        run.tracker.log(rollout_id, metrics | timer.metrics())
 
     finish(run)
 

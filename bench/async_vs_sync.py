@@ -111,7 +111,7 @@ def summarize(mode: str, command: list[str], rows: list[dict], last_k: int, wall
         staleness_mean=mean_or_none(column(rows, "rollout/staleness_mean")),
         staleness_max=max(staleness_max) if staleness_max else None,
         stale_groups=sum(stale_groups) if stale_groups else None,
-        trainer_wait_mean=mean_or_none(column(rows, "perf/trainer_wait_time")),
+        trainer_wait_mean=mean_or_none(column(rows, "perf/train_wait_time")),
         generation_wait_mean=mean_or_none(column(rows, "rollout/generation_wait_time")),
         wall_s=wall_s,
         load_average_before=load,

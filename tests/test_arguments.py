@@ -17,6 +17,7 @@ from slime.utils.arguments import (
     parse_args,
     validate_args,
 )
+from slime.utils.arguments.validation import cpu_thread_counts
 
 # Explicit backends so these tests mean the same with or without CUDA.
 BASE = [
@@ -555,11 +556,9 @@ def test_dynamic_batch_size_needs_token_budget():
     assert args.log_probs_max_tokens_per_gpu == 4096
 
 
-def test_disk_and_delta_weight_sync_are_refused():
+def test_delta_weight_sync_is_refused():
     with pytest.raises(ArgumentValidationError, match="delta weight sync is not implemented"):
         parse_args(BASE + ["--update-weight-mode", "delta"])
-    with pytest.raises(ArgumentValidationError, match="disk weight sync is not implemented"):
-        parse_args(BASE + ["--update-weight-transport", "disk"])
 
 
 def test_save_interval_needs_save():
@@ -587,9 +586,14 @@ def test_thread_budget_over_core_count_warns(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
         parse_args(BASE + ["--train-num-threads", "1", "--cpu-engine-num-threads", "1"])  # 1 + 1 = 2 cores: fine
     assert "cores" not in caplog.text
+    # train.py runs trainer and engine one after the other: 2 + 1 threads on 2 cores is fine there ...
     with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
-        parse_args(BASE + ["--train-num-threads", "2", "--cpu-engine-num-threads", "1"])  # 1x2 + 1x1 = 3 > 2
-    assert "2 trainer threads + 1 CPU engine threads exceed the 2 cores" in caplog.text
+        args = parse_args(BASE + ["--train-num-threads", "2", "--cpu-engine-num-threads", "1"])
+    assert "cores" not in caplog.text
+    assert cpu_thread_counts(args) == (2, 1)  # ... train_async.py, running both at once, warns on the sum
+    with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
+        parse_args(BASE + ["--train-num-threads", "3", "--cpu-engine-num-threads", "1"])  # one side alone: 3 > 2
+    assert "3 trainer threads exceed the 2 cores" in caplog.text and "--train-num-threads" in caplog.text
 
 
 def test_help_lists_the_groups(capsys):
@@ -600,3 +604,9 @@ def test_help_lists_the_groups(capsys):
     for title in ["cluster", "CPU budgets", "rollout", "sampling", "data", "eval", "algorithm and loss", "reward",
                   "buffer", "checkpoint", "logging", "debug", "fault tolerance", "CI", "optimizer (Megatron names)"]:  # fmt: skip
         assert f"\n{title}" in out
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_peak_tflops_must_be_positive(value):
+    with pytest.raises(ArgumentValidationError, match=f"--peak-tflops {float(value)}: .* a positive number"):
+        parse_args(BASE + ["--peak-tflops", value])

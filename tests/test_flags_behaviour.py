@@ -365,8 +365,11 @@ def manager_args(model_dir, *extra: str):
 
 
 def test_pass_at_k_is_the_unbiased_estimate():
-    # Group 1: 4 samples, 1 pass. pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2, pass@4 = 1. Group 2: none.
-    assert pass_at_k([[1, 0, 0, 0], [0, 0, 0, 0]]) == {1: 0.125, 2: 0.25, 4: 0.5}
+    # Group 1: 4 samples, 1 pass. pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2, pass@3 = 1 - C(3,3)/C(4,3) = 3/4,
+    # pass@4 = 1. Group 2: none passes.
+    assert pass_at_k([[1, 0, 0, 0], [0, 0, 0, 0]]) == {1: 0.125, 2: 0.25, 3: 0.375, 4: 0.5}
+    # 5 samples, 2 pass: pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10; pass@3 = 1 - C(3,3)/C(5,3) = 1 - 1/10; pass@4 = 1.
+    assert pass_at_k([[1, 0, 1, 0, 0]]) == pytest.approx({1: 0.4, 2: 0.7, 3: 0.9, 4: 1.0, 5: 1.0})
     assert pass_at_k([[1, 1], [0.5, 1]]) == {1: 0.75, 2: 1.0}
 
 
@@ -402,7 +405,7 @@ def convert_bad(args, samples):
     return data
 
 
-def test_custom_log_functions_replace_the_default_figures(tiny_model_dir, ray_cluster):
+def test_custom_log_functions_replace_the_default_figures(tiny_model_dir, ray_cluster, tmp_path):
     args = manager_args(tiny_model_dir, "--custom-rollout-log-function-path", f"{MODULE}.log_and_skip",
                         "--custom-eval-rollout-log-function-path", f"{MODULE}.log_eval_and_skip",
                         "--eval-prompt-data", "toy", "unused.jsonl")  # fmt: skip
@@ -412,9 +415,11 @@ def test_custom_log_functions_replace_the_default_figures(tiny_model_dir, ray_cl
     assert (rollout_id, count, extra) == (2, 4, {"rollout/custom": 3.0}) and elapsed >= 0
     assert "rollout/reward" not in metrics and metrics["rollout/custom"] == 3.0
     assert manager.eval(2) == {} and CALLS["eval_log"] == (2, ["toy"])
-    # Without them, the default figures are there (eval pass@k over n_samples_per_eval_prompt = 2).
+    # Without them, the default figures are there (eval pass@k over n_samples_per_eval_prompt = 2), and the eval
+    # samples are dumped beside the rollout dumps.
     plain = RolloutManager(manager_args(tiny_model_dir, "--eval-prompt-data", "toy", "unused.jsonl", "--log-passrate",
-                                        "--n-samples-per-eval-prompt", "2"), None)  # fmt: skip
+                                        "--n-samples-per-eval-prompt", "2", "--save-debug-rollout-data",
+                                        str(tmp_path / "dumps" / "rollout_{rollout_id}.pt")), None)  # fmt: skip
     assert plain.generate(2).metrics["rollout/reward"] == 0.25
     assert plain.eval(2) == {
         "eval/toy": 0.25,
@@ -422,6 +427,10 @@ def test_custom_log_functions_replace_the_default_figures(tiny_model_dir, ray_cl
         "eval/toy/pass@1": 0.25,
         "eval/toy/pass@2": 0.5,
     }
+    dumped = torch.load(tmp_path / "dumps" / "eval_toy_rollout_2.pt", weights_only=False)
+    assert (dumped["rollout_id"], dumped["eval_set"]) == (2, "toy")
+    rewards = [Sample.from_dict(d).reward for d in dumped["samples"]]
+    assert rewards == [1.0, 0.0, 0.0, 0.0]  # fixed_rollout's eval samples
 
 
 def test_load_debug_rollout_data_subsample_keeps_whole_batches(tiny_model_dir, ray_cluster, tmp_path):

@@ -495,5 +495,5 @@ def test_gradient_checkpointing_and_offload_round_trip_do_not_change_training(ti
         checkpointed.onload()
         expected, got = plain.train(rollout_id, data), checkpointed.train(rollout_id, data)
         for name, value in expected.items():
-            if name not in timing:
+            if name not in timing and not name.startswith("perf/"):
                 assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name

@@ -110,9 +110,11 @@ def test_save_then_load_restores_everything(tiny_model_dir, tmp_path):
     # Training on from either copy gives the same numbers (timings aside).
     timing = ("train/step_time", "train/tokens_per_s")
     continued, original = resumed.train(2, data), actor.train(2, data)
-    assert {k: v for k, v in continued.items() if k not in timing} == {
-        k: v for k, v in original.items() if k not in timing
-    }
+
+    def numbers(metrics: dict) -> dict:
+        return {k: v for k, v in metrics.items() if k not in timing and not k.startswith("perf/")}
+
+    assert numbers(continued) == numbers(original)
 
 
 @pytest.mark.reliability(

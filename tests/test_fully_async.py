@@ -407,7 +407,7 @@ def test_train_async_bound_0_trains_on_policy(tiny_model_dir, tmp_path):
             str(rollout_id + 1)
         }
     assert [row["rollout_id"] for row in rows] == [0, 1, 2]
-    assert all(row["rollout/staleness_max"] == 0 and "perf/trainer_wait_time" in row for row in rows)
+    assert all(row["rollout/staleness_max"] == 0 and "perf/train_wait_time" in row for row in rows)
     # What the loop generated while the trainer trained was stale after the push, and was dropped.
     assert sum(row["rollout/stale_groups"] for row in rows) >= 1
 

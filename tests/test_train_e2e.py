@@ -3,9 +3,11 @@
 Each run is a subprocess, exactly as a user starts it, with a tiny random model.
 """
 
+from datetime import datetime
+
 import pytest
 import torch
-from e2e_runs import rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
+from e2e_runs import rollout_rows, run_driver_script, saved_samples, small_run_flags, write_addition_prompts
 from test_tracking import (
     SECRET,
     assert_secret_in_no_file,
@@ -14,9 +16,11 @@ from test_tracking import (
     wandb_records,
     wandb_run_dirs,
 )
+from transformers import AutoConfig
 
 from slime.utils.arguments import parse_args
 from slime.utils.misc import load_function
+from slime.utils.perf import STEP_PHASES, ModelShape, cpu_peak_tflops, forward_flops
 from slime.utils.tracking import WANDB_RUN_ID_FILE, format_step_line
 from slime.utils.types import Sample
 
@@ -52,6 +56,7 @@ def test_disaggregated_run_trains_syncs_and_logs_to_every_tracker(tiny_model_dir
         "--custom-rm-path", "e2e_rewards.alternating_reward",
         "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(wandb_dir), "--wandb-key", SECRET,
         "--use-tensorboard", "--tensorboard-dir", str(tb_dir),
+        "--eval-prompt-data", "toy", str(prompt_file), "--eval-interval", "1", "--skip-eval-before-train",
         output=output,
     )  # fmt: skip
     assert [h["rollout_id"] for h in history] == [0, 1]
@@ -68,11 +73,47 @@ def test_disaggregated_run_trains_syncs_and_logs_to_every_tracker(tiny_model_dir
     for row in history:  # the per-rollout log line shows exactly the recorded values
         assert format_step_line(row["rollout_id"], row) in output[0].stderr
     assert {"rollout/reward", "train/loss", "train/ppo_kl", "perf/step_time"} <= history[0].keys()
+    assert_perf_metrics_add_up(history, output[0].stderr, tiny_model_dir, save)
+    # The driver draws the rollout manager's progress: one bar per rollout and eval set, none relayed by Ray.
+    driver_lines = output[0].stderr.replace("\r", "\n").splitlines()
+    assert any(line.startswith("rollout 1: 100%") and "2/2" in line for line in driver_lines)
+    assert any(line.startswith("eval toy: 100%") and "16/16" in line for line in driver_lines)
+    assert not [line for line in driver_lines if line.startswith("(RolloutManager") and "it/s]" in line]
     assert_trackers_match_jsonl(history, wandb_dir, tb_dir)
     (run,) = of_type(wandb_records(wandb_run_dirs(wandb_dir)[0]), "run")
     assert run["run_id"] == (save / WANDB_RUN_ID_FILE).read_text().strip()
     assert "wandb_key" not in run["config"]["update"]
     assert_secret_in_no_file(tmp_path)
+
+
+def assert_perf_metrics_add_up(history: list[dict], driver_log: str, model_dir, save) -> None:
+    """The phases of every step add up to its step time (within 10%), which the log lines' clock confirms; the
+    trainer's TFLOPs are the model's FLOPs over the saved rollout's tokens in the measured train time."""
+    logged_at = [  # when the driver printed each step's line: "2026-12-01 16:50:01,123 INFO slime: rollout 1 | ..."
+        datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+        for line in driver_log.splitlines()
+        if line[:1].isdigit() and "slime: rollout " in line and "step_time" in line
+    ]
+    assert len(logged_at) == len(history) == 2
+    for row in history:
+        phases = sum(row.get(f"perf/{phase}_time", 0.0) for phase in STEP_PHASES)
+        assert {"perf/generate_time", "perf/train_time", "perf/save_time", "perf/update_weights_time"} <= row.keys()
+        assert {"perf/eval_time", "perf/reward_time", "perf/actor_train_time", "perf/ref_log_probs_time"} <= row.keys()
+        assert 0.9 * row["perf/step_time"] <= phases <= row["perf/step_time"], row
+        assert row["perf/actor_train_time"] < row["perf/train_time"]
+        assert row["perf/actor_peak_memory_gb"] > 0.1 and row["perf/engine_peak_memory_gb"] > 0.1
+    # The driver's step clock against the log's: step 1 fits between the two lines, and only the logging of row 0
+    # (jsonl, wandb, TensorBoard) lies outside both steps.
+    between_lines = (logged_at[1] - logged_at[0]).total_seconds()
+    assert 0 <= between_lines - history[1]["perf/step_time"] < 0.5
+
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    for row in history:
+        lengths = [len(s.tokens) for s in saved_samples(save, row["rollout_id"])]
+        expected = 3 * forward_flops(shape, lengths) / row["perf/actor_train_time"] / 1e12  # one trainer rank
+        assert row["perf/actor_train_tflops"] == pytest.approx(expected, rel=1e-3)
+        peak = row["perf/actor_train_tflops"] / row["perf/actor_train_mfu"]
+        assert any(peak == pytest.approx(cpu_peak_tflops(threads), rel=1e-6) for threads in (1, 2))
 
 
 def uninterrupted_prompts(model_dir, prompt_file, save_dir, num_rollout: int) -> list[list[str]]:

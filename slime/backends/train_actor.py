@@ -49,12 +49,14 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from slime.algorithms.advantages import compute_advantages_and_returns
 from slime.algorithms.aggregation import StepNormalizer, count_step_samples_and_tokens
 from slime.algorithms.losses import value_loss
 from slime.algorithms.policy_losses import loss_kind
 from slime.utils.misc import load_function, release_free_host_memory
+from slime.utils.perf import ModelShape, PhaseTimer, device_peak_tflops, forward_flops, peak_memory_gb
 from slime.utils.weight_sync import (
     EngineLinks,
     check_engines_match,
@@ -154,6 +156,10 @@ class TrainRayActor:
         # --keep-old-actor: weight version pushed to the engines -> CPU copy of this rank's weights then
         self.pushed_weights: dict[int, Weights] = {}
         self.init_process_group(args)
+        self.model_shape = (
+            ModelShape.from_hf_config(AutoConfig.from_pretrained(args.hf_checkpoint)) if (args.hf_checkpoint) else None
+        )
+        self.peak_tflops = device_peak_tflops(args.peak_tflops)
         return self._build(args, with_ref)
 
     def _checkpoint_root(self, folder: str | None) -> str | None:
@@ -230,18 +236,21 @@ class TrainRayActor:
         data = self._prepare(rollout_data)
         steps = self._micro_batches(data)
         num_samples = len(data["tokens"])
+        timer = PhaseTimer()
         train_log_probs = None  # the trainer's log-probs of the rollout, compared with the engines'
         # The teacher term needs the student's old log-probs before the step, not from the step's own forward.
         fuse_old_log_probs = self._can_fuse_old_log_probs(data) and not self.args.use_opd
         if self.role == "critic":
             data["values"] = self._take_remembered_values(data)
             if data["values"] is None:
-                data["values"] = self._forward_values(steps, num_samples)
+                with timer.phase("values"):
+                    data["values"] = self._forward_values(steps, num_samples)
         else:
             self._check_rollout_log_probs(data)
             self._check_teacher_log_probs(data)
             if self.ref_weights is not None:
-                data["ref_log_probs"] = self._log_probs_with(self.ref_weights, steps, num_samples)
+                with timer.phase("ref_log_probs"):
+                    data["ref_log_probs"] = self._log_probs_with(self.ref_weights, steps, num_samples)
             if self.args.use_rollout_logprobs:
                 data["log_probs"] = data["rollout_log_probs"]
                 if self.args.get_mismatch_metrics:  # the trainer's own log-probs, only to measure the gap
@@ -249,10 +258,11 @@ class TrainRayActor:
             elif fuse_old_log_probs:
                 data["log_probs"] = [None] * num_samples  # filled by the training forward
             elif not self._old_log_probs_unused(has_reference=self.ref_weights is not None):
-                if self.args.keep_old_actor:  # the policy that generated the rollout, not the current weights
-                    data["log_probs"] = self._log_probs_with(self._behaviour_weights(data), steps, num_samples)
-                else:
-                    data["log_probs"] = self._forward_log_probs(steps, num_samples)
+                with timer.phase("log_probs"):
+                    if self.args.keep_old_actor:  # the policy that generated the rollout, not the current weights
+                        data["log_probs"] = self._log_probs_with(self._behaviour_weights(data), steps, num_samples)
+                    else:
+                        data["log_probs"] = self._forward_log_probs(steps, num_samples)
             if values_refs is not None:
                 data["values"] = self._values_for_this_rank(values_refs)
         if not self.args.disable_compute_advantages_and_returns:
@@ -260,7 +270,8 @@ class TrainRayActor:
         if self.args.rollout_data_postprocess_path:
             load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
 
-        metrics = self._optimize(rollout_id, steps, data, fuse_old_log_probs)
+        with timer.phase(f"{self.role}_train"):
+            metrics = self._optimize(rollout_id, steps, data, fuse_old_log_probs)
         if data.get("opd_reverse_kl") is not None:  # mean log pi_student - log pi_teacher over trainable tokens
             metrics["opd_reverse_kl"] = self._masked_token_mean(data["opd_reverse_kl"], data["loss_masks"])
         if not self.args.use_rollout_logprobs:
@@ -275,7 +286,26 @@ class TrainRayActor:
                 )
         self._end_of_rollout(rollout_id)
         release_free_host_memory()  # the step's activations, or the trainer's resident size keeps growing
-        return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()}
+        return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()} | self._perf_metrics(
+            timer, data
+        )
+
+    def _perf_metrics(self, timer: PhaseTimer, data: dict) -> dict[str, float]:
+        """Phase times of this rank, TFLOPs and MFU per device of the training step, peak memory over ranks."""
+        role = self.role
+        out = {f"perf/{name}_time": seconds for name, seconds in timer.seconds.items()}
+        peak = torch.tensor([peak_memory_gb()], dtype=torch.float64)
+        out[f"perf/{role}_peak_memory_gb"] = self._all_reduce(peak, None, dist.ReduceOp.MAX).item()
+        if self.model_shape is None:
+            return out
+        # Every rank's share of the data-parallel batch, summed: the FLOPs the whole group did.
+        local = torch.tensor([forward_flops(self.model_shape, data["total_lengths"])], dtype=torch.float64)
+        total = self._all_reduce(local, self._data_parallel_group()).item()
+        per_device = 3 * total / dist.get_world_size() / max(timer.seconds[f"{role}_train"], 1e-9) / 1e12
+        out[f"perf/{role}_train_tflops"] = per_device
+        if self.peak_tflops:
+            out[f"perf/{role}_train_mfu"] = per_device / self.peak_tflops
+        return out
 
     def _check_rollout_log_probs(self, data: dict) -> None:
         """Refuse `--use-rollout-logprobs` / `--use-tis` on data without the engines' log-probs."""
@@ -500,13 +530,18 @@ class TrainRayActor:
 
     # ---- weight sync ---------------------------------------------------------------------------
     def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
-        """Remember the engines; colocated: form span subgroups, disaggregated: rank 0 forms the broadcast group.
+        """Remember the engines; colocated: form span subgroups, disaggregated: rank 0 forms the broadcast group,
+        or with `--update-weight-transport disk` checks `--update-weight-disk-dir`. May be called again (restarted
+        engines); disk sync then goes on cleaning up the folders it pushed before.
 
         Args:
-            engines: Engine handles (RolloutEngine Ray actors, or clients with the same methods).
+            engines: Engine handles (RolloutEngine Ray actors, or clients with the same methods, e.g. the
+                `EngineClient`s of `--rollout-external-engine-addrs`).
             engine_urls: Their base URLs (used to pick the address engines reach this rank at).
         """
-        self.engine_links = connect_engines(self.args, engines, engine_urls, self.rank, dist.get_world_size())
+        self.engine_links = connect_engines(
+            self.args, engines, engine_urls, self.rank, dist.get_world_size(), previous=self.engine_links
+        )
 
     def update_weights(self) -> None:
         """Push the current weights to every engine (paused meanwhile) under the next weight version."""

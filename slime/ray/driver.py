@@ -132,7 +132,8 @@ def train_one_rollout(run: TrainingRun, rollout_id: int, data_refs: list) -> dic
     metrics: dict[str, float] = {}
     if rollout_id >= run.args.num_critic_only_steps:
         metrics |= run.actor.wait(run.actor.async_train(rollout_id, data_refs, values_refs=values_refs), what)[0]
-    metrics |= {f"critic/{k.split('/', 1)[-1]}": v for k, v in run.critic.wait(critic_handles, what)[0].items()}
+    critic_metrics = run.critic.wait(critic_handles, what)[0]
+    metrics |= {k if k.startswith("perf/") else f"critic/{k.split('/', 1)[-1]}": v for k, v in critic_metrics.items()}
     return metrics
 
 

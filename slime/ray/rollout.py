@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -38,6 +39,8 @@ from slime.rollout import fully_async_rollout
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import compute_num_rollout
 from slime.rollout.rm_hub import pop_reward_metrics
+from slime.utils import progress as rollout_progress
+from slime.utils.http_utils import wait_until_healthy
 from slime.utils.misc import load_function
 from slime.utils.seqlen_balancing import balanced_partitions
 from slime.utils.types import Sample, Status
@@ -132,7 +135,7 @@ def convert_samples_to_train_data(args, samples: list[Sample]) -> dict[str, list
 
 
 def pass_at_k(groups: list[list[float]]) -> dict[int, float]:
-    """Unbiased pass@k over prompt groups (Chen et al., 2021), for k = 1, 2, 4, ... up to the smallest group.
+    """Unbiased pass@k over prompt groups (Chen et al., 2021), for every k from 1 to the smallest group's size.
 
     A sample passes when its reward is at least 1 (the built-in graders give 1 for a correct answer).
 
@@ -146,16 +149,11 @@ def pass_at_k(groups: list[list[float]]) -> dict[int, float]:
     if not groups:
         return {}
     smallest = min(len(g) for g in groups)
-    result = {}
-    k = 1
-    while k <= smallest:
-        values = []
-        for group in groups:
-            n, c = len(group), sum(r >= 1 for r in group)
-            values.append(1.0 - math.comb(n - c, k) / math.comb(n, k))
-        result[k] = sum(values) / len(values)
-        k *= 2
-    return result
+    passes = [(len(group), sum(r >= 1 for r in group)) for group in groups]
+    return {
+        k: sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for n, c in passes) / len(passes)
+        for k in range(1, smallest + 1)
+    }
 
 
 def reward_breakdown_metrics(args, groups: list[list[Sample]], reward_key: str | None, prefix: str) -> dict[str, float]:
@@ -266,11 +264,19 @@ class RolloutManager:
         per_engine = args.rollout_num_gpus_per_engine
         num_engines = max(1, len(rollout_slice) // per_engine)
         self.rollout_slice = rollout_slice
-        self.engines = [self._create_engine(rank) for rank in range(num_engines)]
+        external = args.rollout_external_engine_addrs
+        # Engines the user started are only routed to and given weights, through plain clients.
+        if external:
+            self.engines = [self._engine_client(url) for url in external]
+        else:
+            self.engines = [self._create_engine(rank) for rank in range(num_engines)]
         try:
-            self.engine_urls = ray.get(
-                [engine.start.remote(timeout=args.rollout_engine_start_timeout) for engine in self.engines]
-            )
+            if external:
+                self.engine_urls = wait_for_external_engines(external, args.rollout_engine_start_timeout)
+            else:
+                self.engine_urls = ray.get(
+                    [engine.start.remote(timeout=args.rollout_engine_start_timeout) for engine in self.engines]
+                )
             for url in self.engine_urls:
                 add_worker(self.router.url, url, api_key=engine_api_key(args))
             wait_for_workers(self.router.url, self.engine_urls, timeout=args.rollout_engine_start_timeout)
@@ -394,7 +400,8 @@ class RolloutManager:
         dead = []
         for index, engine in enumerate(self.engines):
             try:
-                alive = ray.get(engine.is_alive.remote(), timeout=30)
+                # An external engine has no process here to watch: its /health below is all there is.
+                alive = bool(self.args.rollout_external_engine_addrs) or ray.get(engine.is_alive.remote(), timeout=30)
             except Exception:  # the actor itself is gone
                 alive = False
             # The process check alone can lag a SIGKILL (or watch a launcher whose server child died); an
@@ -476,6 +483,8 @@ class RolloutManager:
         metrics |= pop_reward_metrics()
         if self.monitor is not None:
             metrics["rollout/engine_restarts"] = self.num_engine_restarts
+        if self.engines and not args.rollout_external_engine_addrs:  # not measurable from here for external ones
+            metrics["perf/engine_peak_memory_gb"] = max(ray.get([e.peak_memory_gb.remote() for e in self.engines]))
         if args.debug_rollout_only:
             return RolloutBatch(rollout_id, [], metrics)
         data = convert_samples_to_train_data(args, samples)
@@ -483,6 +492,12 @@ class RolloutManager:
         if args.save_debug_train_data:
             self._save_debug_train_data(rollout_id, shards)
         return RolloutBatch(rollout_id, [ray.put(shard) for shard in shards], metrics)
+
+    @ray.method(concurrency_group="progress")
+    def progress(self) -> list[rollout_progress.ProgressState]:
+        """The progress bars of the rollouts in this process (`slime.utils.progress.snapshot`); in its own concurrency
+        group, so it answers while `generate` or `eval` runs (the driver draws them: slime/ray/progress.py)."""
+        return rollout_progress.snapshot()
 
     def generates_in_background(self) -> bool:
         """True once the rollout function runs a background generation loop (the fully async rollout): the
@@ -502,6 +517,8 @@ class RolloutManager:
         output = self._call_rollout_fn(self.eval_fn, rollout_id, evaluation=True)
         data = output.data if isinstance(output, RolloutFnEvalOutput) else output
         metrics = dict(output.metrics) if isinstance(output, RolloutFnEvalOutput) else {}
+        if self.args.save_debug_rollout_data:
+            self._save_debug_eval_data(rollout_id, data)
         log_function = self.args.custom_eval_rollout_log_function_path
         # The user's f(rollout_id, args, data, extra_metrics) -> True replaces the default eval figures.
         if log_function and load_function(log_function)(rollout_id, self.args, data, metrics):
@@ -525,6 +542,16 @@ class RolloutManager:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
         logger.info("saved rollout %d samples to %s", rollout_id, path)
+
+    def _save_debug_eval_data(self, rollout_id: int, data: dict[str, dict]) -> None:
+        """Each eval set's samples with their rewards, beside the rollout dumps: `eval_<set>_<rollout file name>`."""
+        path = Path(self.args.save_debug_rollout_data.format(rollout_id=rollout_id))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for name, result in data.items():
+            samples = [s.to_dict() for s in result.get("samples") or []]
+            target = path.with_name(f"eval_{name.replace(os.sep, '_')}_{path.name}")
+            torch.save({"rollout_id": rollout_id, "eval_set": name, "samples": samples}, target)
+            logger.info("saved eval %s of rollout %d (%d samples) to %s", name, rollout_id, len(samples), target)
 
     def _load_debug_rollout_data(self, rollout_id: int) -> list[Sample]:
         """The saved samples of `rollout_id`; `--load-debug-rollout-data-subsample F` keeps the first fraction F of
@@ -603,20 +630,37 @@ class RolloutManager:
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None
-        if self.engines:
+        if self.engines and not self.args.rollout_external_engine_addrs:  # never stop engines the user started
             ray.get([engine.shutdown.remote() for engine in self.engines])
             for engine in self.engines:
                 ray.kill(engine)
-            self.engines = []
+        self.engines = []
         if self.router is not None:
             self.router.stop()
             self.router = None
 
 
+def wait_for_external_engines(urls: list[str], timeout: float) -> list[str]:
+    """Wait until every engine of `--rollout-external-engine-addrs` answers GET /health; returns `urls`.
+
+    Raises:
+        TimeoutError: naming the engine that did not answer and the flags to check.
+    """
+    for url in urls:
+        try:
+            wait_until_healthy(f"{url}/health", timeout)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"--rollout-external-engine-addrs: engine {url} did not answer GET /health within "
+                f"--rollout-engine-start-timeout {timeout:g} s; start it first, or fix the address ({e})"
+            ) from None
+    return list(urls)
+
+
 def create_rollout_manager(args, rollout_slice: PlacementSlice, wait_for_engines: bool = True):
     """Start the RolloutManager actor (it uses no bundle itself); with `wait_for_engines`, return once its engines
     are up, else at once (its engine-using methods wait for them)."""
-    manager = ray.remote(num_cpus=0)(RolloutManager).remote(args, rollout_slice)
+    manager = ray.remote(num_cpus=0, concurrency_groups={"progress": 1})(RolloutManager).remote(args, rollout_slice)
     if wait_for_engines:
         ray.get(manager.wait_for_engines.remote())
     return manager

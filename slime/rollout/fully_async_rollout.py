@@ -55,6 +55,7 @@ from slime.rollout.sglang_rollout import (
     reset_to_prompt,
     sampling_params_from_args,
 )
+from slime.utils import progress
 from slime.utils.async_utils import get_event_loop, run
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
@@ -314,16 +315,23 @@ class FullyAsyncWorker:
 
     async def _take(self, rollout_id: int, target: int, started: float) -> RolloutFnTrainOutput:
         kept: list[list[Sample]] = []
-        while len(kept) < target:
-            if self.error is not None:
-                raise RuntimeError(f"the fully async rollout loop failed: {self.error}") from self.error
-            self._sort_out_stale()
-            while self.finished and len(kept) < target:
-                kept.append(self.finished.popleft().samples)
-            if len(kept) < target:
-                self._wake_loop.set()
-                self._wake_taker.clear()
-                await self._wake_taker.wait()
+        # The bar counts finished groups taken for this batch: those the loop made while the trainer trained at once.
+        progress_key = f"rollout {rollout_id}"
+        progress.start(progress_key, f"rollout {rollout_id}", target, "group")
+        try:
+            while len(kept) < target:
+                if self.error is not None:
+                    raise RuntimeError(f"the fully async rollout loop failed: {self.error}") from self.error
+                self._sort_out_stale()
+                while self.finished and len(kept) < target:
+                    kept.append(self.finished.popleft().samples)
+                    progress.advance(progress_key)
+                if len(kept) < target:
+                    self._wake_loop.set()
+                    self._wake_taker.clear()
+                    await self._wake_taker.wait()
+        finally:
+            progress.finish(progress_key)
         self._changed()  # room in the pipeline: generate the next batch while this one trains
         now = time.monotonic()
         if self.idle_since is not None:

@@ -18,10 +18,10 @@ import functools
 import time
 from typing import Any
 
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.utils import progress
 from slime.utils.mask_utils import tokenize_conversation
 from slime.utils.types import Sample, Status
 
@@ -123,14 +123,20 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     tokenizer = load_chat_tokenizer(args.hf_checkpoint)
     started = time.time()
     groups = data_source.get_samples(args.rollout_batch_size)
-    for group in tqdm(groups, desc=f"sft rollout {rollout_id}", unit="group", leave=False):
-        first = sft_sample(args, tokenizer, group[0], rollout_id)
-        # Copies of one conversation tokenize identically: reuse the first one's result.
-        for sample in group[1:]:
-            sample.tokens, sample.loss_mask = list(first.tokens), list(first.loss_mask)
-            sample.response, sample.response_length = first.response, first.response_length
-            sample.rollout_log_probs, sample.reward, sample.status = None, 0.0, Status.COMPLETED
-            sample.rollout_id = rollout_id
+    progress_key = f"rollout {rollout_id}"
+    progress.start(progress_key, f"sft rollout {rollout_id}", len(groups), "group")
+    try:
+        for group in groups:
+            first = sft_sample(args, tokenizer, group[0], rollout_id)
+            # Copies of one conversation tokenize identically: reuse the first one's result.
+            for sample in group[1:]:
+                sample.tokens, sample.loss_mask = list(first.tokens), list(first.loss_mask)
+                sample.response, sample.response_length = first.response, first.response_length
+                sample.rollout_log_probs, sample.reward, sample.status = None, 0.0, Status.COMPLETED
+                sample.rollout_id = rollout_id
+            progress.advance(progress_key)
+    finally:
+        progress.finish(progress_key)
     samples = [sample for group in groups for sample in group]
     metrics = {
         "rollout/trainable_tokens": sum(sum(s.loss_mask) for s in samples) / max(len(samples), 1),

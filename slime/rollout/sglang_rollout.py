@@ -21,13 +21,13 @@ import logging
 import time
 from typing import Any
 
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from slime.rollout.agent_rollout import generate as agent_generate
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.opd import score_with_teacher
 from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.utils import progress
 from slime.utils.async_utils import run
 from slime.utils.data import Dataset, load_dataset
 from slime.utils.engine_args import context_limit, engine_api_key
@@ -45,7 +45,7 @@ class RolloutState:
 
     def __init__(self, args):
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
-        num_engines = max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+        num_engines = max(1, args.rollout_num_engines)
         self.max_concurrency = args.sglang_server_concurrency * num_engines
         self.semaphore: asyncio.Semaphore | None = None
         self.custom_generate = (
@@ -257,7 +257,8 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
     num_dropped = num_submitted = num_aborted = 0
     max_aborted = _ABORTED_GROUPS_PER_FETCH * fetch_size
     started = time.time()
-    progress = tqdm(total=target, desc=f"rollout {rollout_id}", unit="group", leave=False)
+    progress_key = f"rollout {rollout_id}"
+    progress.start(progress_key, f"rollout {rollout_id}", target, "group")
     try:
         while len(kept) < target:
             if len(kept) + len(pending) < target:
@@ -291,9 +292,9 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
                         dropped.append(group)
                         continue
                 kept.append(group)
-                progress.update(1)
+                progress.advance(progress_key)
     finally:
-        progress.close()
+        progress.finish(progress_key)
         if pending:
             await abort_engines(args)
             for result in await asyncio.gather(*pending, return_exceptions=True):
@@ -365,9 +366,15 @@ async def _generate_eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
                 samples.append(s)
         tasks = [generate_and_rm(args, s, sampling_params, evaluation=True) for s in samples]
         results = []
-        for result in tqdm(asyncio.as_completed(tasks), total=len(tasks), desc=f"eval {dataset.name}", leave=False):
-            output = await result
-            results.extend(output if isinstance(output, list) else [output])
+        progress_key = f"eval {rollout_id} {dataset.name}"
+        progress.start(progress_key, f"eval {dataset.name}", len(tasks), "sample")
+        try:
+            for result in asyncio.as_completed(tasks):
+                output = await result
+                results.extend(output if isinstance(output, list) else [output])
+                progress.advance(progress_key)
+        finally:
+            progress.finish(progress_key)
         if args.group_rm:
             for s, reward in zip(results, await batched_async_rm(args, results), strict=True):
                 s.reward = reward

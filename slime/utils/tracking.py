@@ -50,6 +50,12 @@ STEP_LINE_FIELDS = (
     ("rollout/truncated", "truncated", ""),
     ("rollout/tokens_per_s", "rollout_tok/s", ""),
     ("train/tokens_per_s", "train_tok/s", ""),
+    ("perf/generate_time", "gen", "s"),
+    ("perf/train_wait_time", "wait", "s"),
+    ("perf/train_time", "train", "s"),
+    ("perf/update_weights_time", "sync", "s"),
+    ("perf/actor_train_mfu", "mfu", ""),
+    ("perf/actor_peak_memory_gb", "train_mem", "GB"),
     ("perf/step_time", "step_time", "s"),
 )
 

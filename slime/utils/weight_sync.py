@@ -2,7 +2,7 @@
 
 Shared by both training backends; each backend only says how it produces its full HF-named tensors
 (FSDP: `DTensor.full_tensor()`; Megatron: tensor-parallel gather + `megatron_to_hf`). Every training
-rank iterates the buckets to the end, because producing them is a collective. Two transports
+rank iterates the buckets to the end, because producing them is a collective. Three transports
 (payload format and group construction in `slime.utils.weight_transport`):
 
 - colocated (`--colocate`), `send_buckets_as_tensors`: engine `e` is served by training ranks
@@ -14,8 +14,16 @@ rank iterates the buckets to the end, because producing them is a collective. Tw
   every engine rank (`connect_broadcast_group`: NCCL between GPUs, gloo when either side is on CPU),
   then per bucket posts the names/dtypes/shapes to `/update_weights_from_distributed` and broadcasts
   the tensors in that order.
+- disaggregated with `--update-weight-transport disk`, `send_buckets_by_disk`:
+  training rank 0 writes the buckets as HF safetensors shards into a fresh folder under
+  `--update-weight-disk-dir` (config and tokenizer files copied from `--hf-checkpoint`, so
+  `from_pretrained` of it works), renames it into place, and every engine loads it with
+  `/update_weights_from_disk`. The previous push's folder is deleted once the engines hold the new one
+  (unless `--update-weight-disk-keep-files`). For engines that cannot reach the trainer but read a
+  folder it writes (e.g. `--rollout-external-engine-addrs` on another network).
 
-`update_engine_weights` wraps either transport in the pause / flush / resume protocol the actors use.
+`update_engine_weights` wraps each transport in the pause / flush / resume protocol the actors use
+(disk: the folder is written before the engines pause, so they only stop to load it).
 Engines are Ray actor handles of `RolloutEngine` or plain clients with the same methods
 (`EngineClient`); `call_engine` calls either.
 """
@@ -23,19 +31,29 @@ Engines are Ray actor handles of `RolloutEngine` or plain clients with the same 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import os
+import re
+import shutil
+import tempfile
 import uuid
 from argparse import Namespace
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import ray
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
+from slime.utils import atomic_dir
 from slime.utils.http_utils import find_free_port
+from slime.utils.misc import load_function
 from slime.utils.weight_transport import init_process_group_like_sglang, serialize_named_tensors
 
 GROUP_NAME = "slime_weight_update"
@@ -241,6 +259,189 @@ def send_buckets_by_broadcast(
 
 
 # ---------------------------------------------------------------------------------------------
+# Any engine that reads a shared folder: HF safetensors on disk
+# ---------------------------------------------------------------------------------------------
+
+DISK_FLAG = "--update-weight-disk-dir"
+FOLDER_KIND = "weight-sync"
+# Files of --hf-checkpoint that hold weights (the push brings its own); every other top-level file is copied.
+_WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|gguf|h5|msgpack|onnx|npz)$|\.index\.json$")
+# `.<push folder>.slime-tmp-<pid>`: the staging folder of an interrupted push.
+_PUSH_STAGING = re.compile(r"^\.(weights-v.+-[0-9a-f]{8})\.slime-tmp-\d+$")
+
+
+@dataclass
+class DiskTarget:
+    """Training rank 0's side of disk weight sync.
+
+    Attributes:
+        root: `--update-weight-disk-dir`; every push is a new folder in it.
+        hf_checkpoint: `--hf-checkpoint`, whose config and tokenizer files each push copies.
+        keep_files: `--update-weight-disk-keep-files`: never delete a push's folder.
+        post_write: `--custom-update-weight-post-write-path` bound to args: f(folder, engines), or None.
+        pushed: Folders written by this trainer and not deleted yet, oldest first.
+    """
+
+    root: Path
+    hf_checkpoint: Path
+    keep_files: bool = False
+    post_write: Callable[[str, list], Any] | None = None
+    pushed: list[Path] = field(default_factory=list)
+
+
+def prepare_disk_target(args: Namespace) -> DiskTarget:
+    """Check that this process can write `--update-weight-disk-dir` (creating it) and copy from `--hf-checkpoint`.
+
+    Also removes the staging folders of pushes an earlier, killed trainer left there (slime-marked ones only).
+
+    Raises:
+        ValueError: naming the flag at fault and the fix.
+    """
+    root = Path(args.update_weight_disk_dir).absolute()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".slime-write-check-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{DISK_FLAG} {root}: the trainer cannot write there ({type(error).__name__}: {error}); pass a folder "
+            "that training rank 0 can write and every engine can read at the same path"
+        ) from None
+    hf_checkpoint = Path(args.hf_checkpoint)
+    if not (hf_checkpoint / "config.json").is_file():
+        raise ValueError(
+            f"--update-weight-transport disk copies config and tokenizer files from --hf-checkpoint, but "
+            f"{hf_checkpoint} is not a local HF folder with a config.json; download the model and pass its folder"
+        )
+    for entry in root.iterdir():
+        match = _PUSH_STAGING.match(entry.name)
+        if match:
+            atomic_dir.remove_leftovers(root / match.group(1))
+    hook = getattr(args, "custom_update_weight_post_write_path", None)
+    return DiskTarget(
+        root,
+        hf_checkpoint.absolute(),
+        keep_files=bool(getattr(args, "update_weight_disk_keep_files", False)),
+        post_write=functools.partial(load_function(hook), args) if hook else None,
+    )
+
+
+def _copy_model_files(hf_checkpoint: Path, folder: Path) -> None:
+    """Config, generation config, tokenizer, chat template...: every top-level file that holds no weights."""
+    for entry in hf_checkpoint.iterdir():
+        if entry.is_file() and not entry.name.startswith(".") and not _WEIGHT_FILE.search(entry.name):
+            shutil.copyfile(entry, folder / entry.name)
+
+
+def _write_shards(buckets: Iterable[Bucket], folder: Path) -> tuple[list[list[str]], int]:
+    """One `shard-<i>.safetensors` per bucket; every bucket is consumed even after a write failed (the other
+    training ranks are still producing them, a collective), then the write's OSError is raised."""
+    shards: list[list[str]] = []
+    nbytes, error = 0, None
+    for bucket in buckets:
+        if error is not None:
+            continue
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in bucket}
+        try:
+            save_file(tensors, folder / f"shard-{len(shards):05d}.safetensors", metadata={"format": "pt"})
+        except OSError as e:
+            error = e
+            continue
+        shards.append(list(tensors))
+        nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    if error is not None:
+        raise error
+    return shards, nbytes
+
+
+def write_weight_folder(buckets: Iterable[Bucket], disk: DiskTarget, weight_version: str) -> tuple[Path, int]:
+    """Write one push: a HF folder with one safetensors shard per bucket, staged beside it and renamed into place.
+
+    Args:
+        buckets: HF-named tensor buckets (each at most `--update-weight-buffer-size` bytes but for one large tensor).
+        disk: From `prepare_disk_target`.
+        weight_version: Goes into the folder name, `weights-v<version>-<random>`.
+
+    Returns:
+        (the published folder, bytes of tensors written).
+
+    Raises:
+        OSError: the disk refused a write (full, removed, read-only), naming `--update-weight-disk-dir`; the
+            staging folder is removed.
+    """
+    final = disk.root / f"weights-v{weight_version}-{uuid.uuid4().hex[:8]}"
+    staging = atomic_dir.create_staging(final, FOLDER_KIND, DISK_FLAG)
+    try:
+        shards, nbytes = _write_shards(buckets, staging)
+        if not shards:
+            raise ValueError("the trainer produced no weights to write")
+        if len(shards) == 1:
+            names = ["model.safetensors"]
+        else:
+            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            weight_map = {tensor: name for shard, name in zip(shards, names, strict=True) for tensor in shard}
+            index = {"metadata": {"total_size": nbytes}, "weight_map": weight_map}
+            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        for i, name in enumerate(names):
+            os.replace(staging / f"shard-{i:05d}.safetensors", staging / name)
+        _copy_model_files(disk.hf_checkpoint, staging)
+        atomic_dir.publish(staging, final, FOLDER_KIND, DISK_FLAG)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise OSError(f"{DISK_FLAG} {disk.root}: writing weight version {weight_version} failed: {e}") from e
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final, nbytes
+
+
+def load_weight_folder(engines: list, disk: DiskTarget, folder: Path, weight_version: str) -> None:
+    """Have every engine load `folder` (`/update_weights_from_disk`), then delete the older pushes.
+
+    A folder stays in `disk.pushed` until a later push has been loaded by every engine: an engine that
+    failed to load this one may still hold an older one, and one that loaded it may reload it.
+    """
+    disk.pushed.append(folder)
+    call_engines(engines, "update_weights_from_disk", model_path=str(folder), weight_version=weight_version)
+    if disk.keep_files:
+        return
+    for old in disk.pushed[:-1]:
+        if atomic_dir.is_slime_folder(old):  # never delete what slime did not write
+            shutil.rmtree(old, ignore_errors=True)
+    disk.pushed = [folder]
+
+
+def send_buckets_by_disk(
+    buckets: Iterable[Bucket], engines: list, disk: DiskTarget | None, rank: int, weight_version: str
+) -> None:
+    """Disk update: rank 0 writes the folder (the others only produce the buckets with it), runs the
+    post-write hook, then pauses the engines just for loading it.
+
+    Args:
+        buckets: HF-named tensor buckets (every rank iterates them to the end).
+        engines: Engine handles (used on rank 0 only).
+        disk: From `prepare_disk_target` on rank 0; None on the other ranks.
+        rank: This training rank.
+        weight_version: Label the engines report afterwards.
+    """
+    if rank != 0 or disk is None:
+        for _ in buckets:
+            pass
+        return
+    folder, _ = write_weight_folder(buckets, disk, weight_version)
+    if disk.post_write is not None:
+        disk.post_write(str(folder), engines)
+    call_engines(engines, "pause_generation")
+    try:
+        call_engines(engines, "flush_cache")
+        load_weight_folder(engines, disk, folder, weight_version)
+    except BaseException:
+        _resume_quietly(engines)
+        raise
+    call_engines(engines, "continue_generation")
+
+
+# ---------------------------------------------------------------------------------------------
 # The actors' protocol around either transport
 # ---------------------------------------------------------------------------------------------
 
@@ -251,10 +452,12 @@ class EngineLinks:
 
     Attributes:
         engines: Engine handles.
-        colocate: `--colocate`: shared-memory tensors; else broadcast from rank 0.
+        colocate: `--colocate`: shared-memory tensors; else broadcast from rank 0 (or disk, with `by_disk`).
         gpus_per_engine: `--rollout-num-gpus-per-engine`.
         span_groups: Colocated: from `engine_span_groups` (every rank); else empty.
         broadcast_group: Disaggregated: from `connect_broadcast_group` on rank 0; else None.
+        by_disk: `--update-weight-transport disk` (every rank).
+        disk: Disk: from `prepare_disk_target` on rank 0; else None.
     """
 
     engines: list
@@ -262,25 +465,45 @@ class EngineLinks:
     gpus_per_engine: int
     span_groups: list
     broadcast_group: BroadcastGroup | None
+    by_disk: bool = False
+    disk: DiskTarget | None = None
 
 
-def connect_engines(args: Namespace, engines: list, engine_urls: list[str], rank: int, world_size: int) -> EngineLinks:
+def connect_engines(
+    args: Namespace,
+    engines: list,
+    engine_urls: list[str],
+    rank: int,
+    world_size: int,
+    previous: EngineLinks | None = None,
+) -> EngineLinks:
     """Prepare this rank for weight updates (a collective when colocated: every rank calls it).
 
     Args:
-        args: Needs `colocate`, `rollout_num_gpus_per_engine`, `rollout_backend`.
+        args: Needs `colocate`, `rollout_num_gpus_per_engine`, `rollout_backend`, `update_weight_transport`
+            (disk: `update_weight_disk_dir`, `update_weight_disk_keep_files`, `hf_checkpoint`).
         engines: Engine handles (RolloutEngine Ray actors, or clients with the same methods).
         engine_urls: Their base URLs: engines all on localhost reach rank 0 at 127.0.0.1, else at this node's IP.
         rank: This training rank.
         world_size: Number of training ranks.
+        previous: The links this rank had before (reconnecting to restarted engines): disk sync goes on
+            deleting the folders pushed through them.
 
     Returns:
         The links to pass to `update_engine_weights`.
+
+    Raises:
+        ValueError: disk, on rank 0: `--update-weight-disk-dir` is not writable or `--hf-checkpoint` not a folder.
     """
     gpus_per_engine = args.rollout_num_gpus_per_engine
     links = EngineLinks(list(engines), bool(args.colocate), gpus_per_engine, [], None)
     if links.colocate:
         links.span_groups = engine_span_groups(world_size, gpus_per_engine)
+    elif getattr(args, "update_weight_transport", "nccl") == "disk":
+        links.by_disk = True
+        if rank == 0:
+            kept = previous.disk if previous is not None else None
+            links.disk = kept if kept is not None else prepare_disk_target(args)
     elif rank == 0 and links.engines:
         local = all(urlparse(url).hostname in ("127.0.0.1", "localhost") for url in engine_urls)
         address = "127.0.0.1" if local else ray.util.get_node_ip_address()
@@ -292,12 +515,24 @@ def connect_engines(args: Namespace, engines: list, engine_urls: list[str], rank
 def update_engine_weights(links: EngineLinks, buckets: Iterable[Bucket], rank: int, version: str) -> None:
     """Pause and flush the engines, send every bucket, resume them (every training rank calls this).
 
+    Disk: rank 0 writes the folder first and pauses the engines only while they load it (`send_buckets_by_disk`).
+
     Args:
         links: From `connect_engines`.
         buckets: HF-named tensor buckets of the current weights (lazy: produced while sending).
         rank: This training rank.
         version: The weight version the engines report afterwards.
     """
+    if links.by_disk:
+        error = None
+        try:
+            send_buckets_by_disk(buckets, links.engines, links.disk, rank, version)
+        except Exception as e:  # noqa: BLE001 - raised after the barrier, which the other ranks wait in
+            error = e
+        dist.barrier()
+        if error is not None:
+            raise error
+        return
     try:
         if rank == 0:
             call_engines(links.engines, "pause_generation")
@@ -309,14 +544,19 @@ def update_engine_weights(links: EngineLinks, buckets: Iterable[Bucket], rank: i
             send_buckets_by_broadcast(buckets, links.engines, links.broadcast_group, version)
         dist.barrier()
     except BaseException:
-        # A failed update must not leave engines paused: resume what still answers, report the update's error.
         if rank == 0:
-            for engine in links.engines:
-                with contextlib.suppress(Exception):
-                    call_engine(engine, "continue_generation")
+            _resume_quietly(links.engines)
         raise
     if rank == 0:
         call_engines(links.engines, "continue_generation")
+
+
+def _resume_quietly(engines: list) -> None:
+    """After a failed update: resume every engine that still answers, so none is left paused (the caller
+    reports the update's error)."""
+    for engine in engines:
+        with contextlib.suppress(Exception):
+            call_engine(engine, "continue_generation")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from slime.backends.sglang_utils.engine_command_line import (
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.sglang_utils.server_process import launch_server_process, server_log_path, stop_server_process
 from slime.utils.http_utils import find_free_port, wait_until_healthy
+from slime.utils.perf import process_tree_peak_memory_gb
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,10 @@ class RolloutEngine(EngineClient):
     def is_alive(self) -> bool:
         """True while the server process runs (it may still be loading; see `health()`)."""
         return self.process is not None and self.process.poll() is None
+
+    def peak_memory_gb(self) -> float:
+        """Peak resident memory of the server's processes, summed (host memory; 0 before it starts)."""
+        return process_tree_peak_memory_gb(self.process.pid) if self.process is not None else 0.0
 
     def shutdown(self) -> None:
         """Stop the server and every process it started. Safe to call more than once."""

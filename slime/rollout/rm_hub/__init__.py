@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from .reward_workers import (
     DEFAULT_TIMEOUT_SECS,
     GradingCrash,
     GradingTimeout,
+    add_reward_seconds,
     get_reward_pool,
     pop_reward_metrics,
 )
@@ -147,6 +149,7 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
             raise ValueError(f"no reward function: set --rm-type ({_valid_types_text()}) or --custom-rm-path")
         base_type, boxed = resolve_rm_type(rm_type)
         rm_name = f"reward type {rm_type!r}"
+    started = time.perf_counter()
     try:
         if custom_rm_path:
             return await maybe_await(rm_function(args, sample, **kwargs))
@@ -157,6 +160,8 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
         raise RewardFunctionError(
             f"{rm_name} failed on sample index {sample.index}: {type(error).__name__}: {error}"
         ) from error
+    finally:
+        add_reward_seconds(time.perf_counter() - started)
 
 
 async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list[float | dict]:

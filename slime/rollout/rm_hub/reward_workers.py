@@ -43,15 +43,23 @@ def _count(name: str) -> None:
         _counts[name] += 1
 
 
+def add_reward_seconds(seconds: float) -> None:
+    """Add one reward call's wall time to `pop_reward_metrics()["perf/reward_time"]`."""
+    with _counts_lock:
+        _counts["reward_seconds"] += seconds
+
+
 def pop_reward_metrics() -> dict[str, float]:
-    """Answers that could not be graded since the last call, and reset the counts.
+    """Answers that could not be graded since the last call and the seconds spent grading; resets them.
 
     Returns:
-        `{"reward/timeouts": n, "reward/worker_crashes": m}`: answers whose worker was killed past the
-        timeout, and answers whose worker died while grading. Both scored as wrong.
+        `{"reward/timeouts": n, "reward/worker_crashes": m, "perf/reward_time": s}`: answers whose worker was
+        killed past the timeout, answers whose worker died while grading (both scored as wrong), and the wall
+        time of all reward calls summed (they run concurrently, so it can exceed the rollout's time).
     """
     with _counts_lock:
         metrics = {f"reward/{name}": float(_counts[name]) for name in ("timeouts", "worker_crashes")}
+        metrics["perf/reward_time"] = float(_counts["reward_seconds"])
         _counts.clear()
     return metrics
 

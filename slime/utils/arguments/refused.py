@@ -34,9 +34,10 @@ class Refusal:
     allowed: tuple[Any, ...] = ()
 
 
-_NO_DISK_SYNC = Refusal(
-    "only disk weight sync reads it, and disk (and delta) weight sync is not implemented",
-    "drop it; weights reach the engines as tensors (--colocate) or by a collective broadcast",
+_NO_DELTA_SYNC = Refusal(
+    "only delta weight sync (--update-weight-mode delta) reads it, and delta weight sync is not implemented",
+    "drop it; every update pushes the full weights (with --update-weight-transport disk: an HF folder under "
+    "--update-weight-disk-dir)",
 )
 _OPD_ENGINE_TEACHER = (
     "serve the teacher with an engine and pass --opd-type sglang --opd-teacher-url http://HOST:PORT "
@@ -58,26 +59,14 @@ REFUSED_FLAGS: dict[str, Refusal] = {
     "prefill_num_servers": Refusal(
         "prefill/decode disaggregation is not implemented", "drop it; every engine serves prefill and decode"
     ),
-    "rollout_external_engine_addrs": Refusal(
-        "engines started outside slime are not supported",
-        "drop it; slime launches its engines (--rollout-num-gpus, --rollout-num-gpus-per-engine)",
-    ),
-    "update_weight_transport": Refusal(
-        "disk weight sync is not implemented",
-        "drop it; weights reach the engines as tensors (--colocate) or by a collective broadcast (nccl; gloo on CPU)",
-        values=("disk",),
-    ),
     "update_weight_mode": Refusal(
         "delta weight sync is not implemented", "drop it; every update pushes the full weights", values=("delta",)
     ),
-    "update_weight_disk_dir": _NO_DISK_SYNC,
-    "update_weight_disk_keep_files": _NO_DISK_SYNC,
-    "update_weight_local_checkpoint_dir": _NO_DISK_SYNC,
-    "update_weight_delta_encoding": _NO_DISK_SYNC,
-    "update_weight_delta_checksum": _NO_DISK_SYNC,
-    "custom_update_weight_post_write_path": _NO_DISK_SYNC,
+    "update_weight_local_checkpoint_dir": _NO_DELTA_SYNC,
+    "update_weight_delta_encoding": _NO_DELTA_SYNC,
+    "update_weight_delta_checksum": _NO_DELTA_SYNC,
     "release_train": Refusal(
-        "recreating the trainers after each step needs disk weight sync, which is not implemented",
+        "recreating the trainers after each step is not implemented",
         "drop it; --offload-train frees the trainer's GPU memory while the engines generate",
     ),
     "rollout_data_transport": Refusal(

@@ -60,6 +60,13 @@ def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-reward-category", default=None, help="Metadata key to break rewards down by.")
     group.add_argument("--log-correct-samples", action="store_true", help="Log statistics of correct samples.")
     group.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="Peak TFLOPs of one training device, the denominator of perf/actor_train_mfu. Default: the dense BF16 "
+        "peak of a known GPU (H100/H200: 989), on CPU the FP32 peak of the trainer's threads from /proc/cpuinfo.",
+    )
+    group.add_argument(
         "--use-tensorboard",
         action="store_true",
         help="Write every rollout's metrics as TensorBoard scalars to --tensorboard-dir, else TENSORBOARD_DIR, else "

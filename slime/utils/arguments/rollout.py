@@ -76,7 +76,10 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "--rollout-external-engine-addrs",
         nargs="+",
         default=None,
-        help="host:port of engines started outside slime, used instead of launching engines.",
+        help="host:port (or http://host:port) of SGLang-API engines started outside slime: slime launches none, "
+        "registers these behind its router and pushes weights to them by --update-weight-transport (disk when "
+        "they cannot reach the trainer; nccl needs --rollout-num-gpus-per-engine = their TP size). Engines with "
+        "an API key take it from --sglang-api-key.",
     )
     group.add_argument(
         "--rollout-engine-start-timeout",

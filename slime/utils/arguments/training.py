@@ -26,12 +26,23 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--update-weight-transport",
         choices=["nccl", "disk"],
         default="nccl",
-        help="Disaggregated weight push: a collective broadcast from trainer to engines (gloo on CPU), "
-        "or HF safetensors written to --update-weight-disk-dir.",
+        help="Disaggregated weight push: nccl, a collective broadcast from trainer rank 0 to every engine (gloo on "
+        "CPU; the engines must reach rank 0), or disk, an HF folder of safetensors shards written to "
+        "--update-weight-disk-dir that each engine loads with /update_weights_from_disk (for engines that share no "
+        "network or process group with the trainer). --colocate always sends tensors.",
     )
-    group.add_argument("--update-weight-disk-dir", default=None, help="Shared directory for disk weight sync.")
     group.add_argument(
-        "--update-weight-disk-keep-files", action="store_true", help="Keep the files of each disk weight sync."
+        "--update-weight-disk-dir",
+        default=None,
+        help="Disk weight sync: folder that training rank 0 writes and every engine reads at the same path (a "
+        "shared filesystem across hosts). Each push is a new subfolder weights-v<version>-<random>, renamed into "
+        "place when complete; nothing else in the folder is touched.",
+    )
+    group.add_argument(
+        "--update-weight-disk-keep-files",
+        action="store_true",
+        help="Disk weight sync: keep every push's folder (default: delete the previous one once the engines have "
+        "loaded the next; the newest stays).",
     )
     group.add_argument("--update-weight-delta-encoding", choices=["xor"], default="xor", help="Delta encoding.")
     group.add_argument("--update-weight-delta-checksum", default="xxh3-128", help="Checksum of each delta.")
@@ -42,7 +53,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--update-weight-buffer-size",
         type=int,
         default=512 * 1024**2,
-        help="Bytes of parameters sent per weight-update bucket (default: 512 MiB).",
+        help="Bytes of parameters sent per weight-update bucket, and the largest safetensors shard of disk weight "
+        "sync (default: 512 MiB).",
     )
     group.add_argument(
         "--update-weights-interval",
@@ -118,5 +130,6 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--custom-update-weight-post-write-path",
         default=None,
-        help="f(args, version_dir, engines), run after a disk weight sync wrote its files.",
+        help="f(args, version_dir, engines), run on training rank 0 after a disk weight sync wrote its folder and "
+        "before the engines load it (e.g. to copy it to the engines' hosts).",
     )

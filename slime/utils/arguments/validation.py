@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import re
+from urllib.parse import urlparse
 
 import torch
 
@@ -56,8 +57,50 @@ def _validate_batch_sizes(args: argparse.Namespace) -> None:
     args.global_batch_size, args.num_steps_per_rollout = gbs, steps
 
 
+def _external_engine_url(address: str) -> str:
+    """`host:port` or `http(s)://host:port` of an engine slime did not start, as a base URL."""
+    url = address.rstrip("/") if "://" in address else f"http://{address}"
+    try:
+        parsed = urlparse(url)
+        valid = parsed.scheme in ("http", "https") and parsed.hostname and parsed.port and parsed.path == ""
+    except ValueError:  # e.g. a port that is not a number
+        valid = False
+    if not valid:
+        _fail(
+            f"--rollout-external-engine-addrs {address!r} is not host:port (or http://host:port) of an engine's HTTP "
+            "server, e.g. 127.0.0.1:30000."
+        )
+    return url
+
+
+def _validate_external_engines(args: argparse.Namespace) -> None:
+    """Engines started outside slime: none are launched, so they take no devices and slime cannot manage them."""
+    addresses = args.rollout_external_engine_addrs
+    if not addresses:
+        return
+    managed = {
+        "--colocate": args.colocate,
+        "--use-fault-tolerance": args.use_fault_tolerance,
+        "--offload-rollout (or --offload)": args.offload if args.offload_rollout is None else args.offload_rollout,
+    }
+    given = [flag for flag, value in managed.items() if value]
+    if given:
+        _fail(
+            f"--rollout-external-engine-addrs: slime does not start these engines, so it cannot share devices with, "
+            f"restart or offload them; drop {', '.join(given)} (or let slime launch its own engines)."
+        )
+    if args.rollout_num_gpus not in (None, 0):
+        _fail(
+            f"--rollout-num-gpus {args.rollout_num_gpus} reserves devices for engines slime launches, but with "
+            "--rollout-external-engine-addrs it launches none; drop --rollout-num-gpus."
+        )
+    args.rollout_external_engine_addrs = [_external_engine_url(address) for address in addresses]
+    args.rollout_num_gpus = 0
+
+
 def _validate_placement(args: argparse.Namespace) -> None:
     args.actor_world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    _validate_external_engines(args)
     if args.colocate:
         if args.rollout_num_gpus is not None and args.rollout_num_gpus != args.actor_world_size:
             logger.warning(
@@ -84,6 +127,8 @@ def _validate_placement(args: argparse.Namespace) -> None:
                 f"--rollout-num-gpus-per-engine ({args.rollout_num_gpus_per_engine})."
             )
         args.rollout_num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+    if args.rollout_external_engine_addrs:
+        args.rollout_num_engines = len(args.rollout_external_engine_addrs)
 
     args.use_critic = _estimator(args).critic
     if args.offload:
@@ -95,18 +140,26 @@ def _validate_placement(args: argparse.Namespace) -> None:
     if args.offload_rollout is None:
         args.offload_rollout = args.colocate
 
-    if args.rollout_backend == "cpu" and not args.colocate:
-        trainer_threads = 0 if args.debug_rollout_only else args.actor_world_size * args.train_num_threads
-        engine_threads = 0 if args.debug_train_only else args.rollout_num_engines * args.cpu_engine_num_threads
-        cores = os.cpu_count() or 1
-        if trainer_threads + engine_threads > cores:
+    trainer_threads, engine_threads = cpu_thread_counts(args)
+    cores = os.cpu_count() or 1
+    for threads, what, flag in ((trainer_threads, "trainer", "--train-num-threads"),
+                                (engine_threads, "CPU engine", "--cpu-engine-num-threads")):  # fmt: skip
+        if threads > cores:
             logger.warning(
-                "%d trainer threads + %d CPU engine threads exceed the %d cores; oversubscribed threads slow "
-                "everything down. Lower --train-num-threads / --cpu-engine-num-threads or the process counts.",
-                trainer_threads,
-                engine_threads,
-                cores,
-            )
+                "%d %s threads exceed the %d cores; oversubscribed threads slow everything down. Lower %s or the "
+                "process count.", threads, what, cores, flag,
+            )  # fmt: skip
+
+
+def cpu_thread_counts(args: argparse.Namespace) -> tuple[int, int]:
+    """Threads of all trainer ranks and of all CPU engines of a disaggregated CPU run ((0, 0) otherwise).
+
+    train.py runs them one after the other; train_async.py at the same time, so there their sum counts."""
+    if args.rollout_backend != "cpu" or args.colocate:
+        return 0, 0
+    trainer_threads = 0 if args.debug_rollout_only else args.actor_world_size * args.train_num_threads
+    engine_threads = 0 if args.debug_train_only else args.rollout_num_engines * args.cpu_engine_num_threads
+    return trainer_threads, engine_threads
 
 
 def _validate_algorithm_registries(args: argparse.Namespace) -> None:
@@ -255,6 +308,8 @@ def _validate_data(args: argparse.Namespace) -> None:
             _fail(str(error))
     if args.eval_interval is not None and not (args.eval_prompt_data or args.eval_config):
         _fail("--eval-interval needs eval data: --eval-prompt-data NAME PATH [NAME PATH ...] or --eval-config FILE.")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        _fail(f"--peak-tflops {args.peak_tflops}: pass the device's peak TFLOPs, a positive number (H100: 989).")
 
 
 def _validate_modes(args: argparse.Namespace) -> None:
@@ -280,6 +335,29 @@ def _validate_modes(args: argparse.Namespace) -> None:
         _fail("--save-interval needs --save (the checkpoint directory).")
 
 
+def _validate_weight_transport(args: argparse.Namespace) -> None:
+    if args.update_weight_transport == "disk":
+        if args.colocate:
+            _fail(
+                "--update-weight-transport disk does not apply with --colocate: colocated engines get the tensors "
+                "through shared memory. Drop one of them."
+            )
+        if not args.update_weight_disk_dir:
+            _fail(
+                "--update-weight-transport disk needs --update-weight-disk-dir DIR: a folder that training rank 0 "
+                "writes and every engine reads at the same path."
+            )
+        return
+    disk_only = {
+        "--update-weight-disk-dir": args.update_weight_disk_dir,
+        "--update-weight-disk-keep-files": args.update_weight_disk_keep_files,
+        "--custom-update-weight-post-write-path": args.custom_update_weight_post_write_path,
+    }
+    given = [flag for flag, value in disk_only.items() if value]
+    if given:
+        _fail(f"{', '.join(given)} only take effect with --update-weight-transport disk; add it or drop them.")
+
+
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check cross-flag rules and fill the defaults that depend on other flags, in place.
 
@@ -301,6 +379,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_modes(args)
     _validate_batch_sizes(args)
     _validate_placement(args)
+    _validate_weight_transport(args)
     _validate_algorithm(args)
     _validate_data(args)
     _validate_output_folders(args)

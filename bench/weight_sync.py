@@ -1,0 +1,144 @@
+"""Seconds and bytes to push a model's weights to a real CPU engine over each transport, against a plain
+in-process `load_state_dict(state_dict())` copy.
+
+Run from the repository root:
+
+    python -m bench.weight_sync --model models/SmolLM2-135M-Instruct --repeats 3
+
+This process plays training rank 0 (world size 1, gloo) holding the HF model; one engine server
+(`python -m slime.backends.cpu_engine`, one thread) serves the same model. Each push goes through
+`update_engine_weights` (pause, flush, send, resume) with buckets of `--buffer-size` bytes:
+
+- tensor: named shared memory, `/update_weights_from_tensor` (colocated engines, same host);
+- broadcast: a gloo group with the engine, `/update_weights_from_distributed`;
+- disk: HF safetensors shards under `--disk-dir`, `/update_weights_from_disk` (previous push deleted).
+
+Before each push the weights get a little noise, and afterwards the engine's probe log-probs must equal this
+process's (the gap is printed). Timings are the best of `--repeats` pushes after one warm-up push.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from slime.backends.sglang_utils.http_client import EngineClient
+from slime.utils.http_utils import find_free_port, wait_until_healthy
+from slime.utils.weight_sync import (
+    bucket_named_tensors,
+    connect_engines,
+    engine_prompt_log_probs,
+    probe_tokens,
+    update_engine_weights,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_engine(model: str) -> tuple[subprocess.Popen, str]:
+    port = find_free_port()
+    command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", model, "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([*command, "--num-threads", "1"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_healthy(f"{url}/health", 300, process=process)
+    return process, url
+
+
+def probe_gap(model: torch.nn.Module, client: EngineClient, probe: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([probe]), use_cache=False).logits[0, :-1]
+    mine = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
+    return float((torch.tensor(engine_prompt_log_probs(client, probe)) - mine).abs().max())
+
+
+def time_pushes(model, client, links, buffer_size: int, repeats: int, probe: list[int]) -> tuple[float, float]:
+    """Best seconds of `repeats` pushes (after a warm-up) and the largest probe gap after any of them."""
+    best, gap = float("inf"), 0.0
+    for attempt in range(repeats + 1):
+        with torch.no_grad():  # new weights every push, so a push that did nothing shows as a gap
+            for param in model.parameters():
+                param.add_(torch.randn_like(param), alpha=1e-3)
+        buckets = bucket_named_tensors(((n, p.detach()) for n, p in model.named_parameters()), buffer_size)
+        start = time.perf_counter()
+        update_engine_weights(links, buckets, rank=0, version=f"bench-{time.time_ns()}")
+        seconds = time.perf_counter() - start
+        best = min(best, seconds) if attempt else best  # attempt 0 warms up
+        gap = max(gap, probe_gap(model, client, probe))
+    return best, gap
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--buffer-size", type=int, default=512 * 1024**2, help="--update-weight-buffer-size")
+    parser.add_argument("--disk-dir", default=None, help="--update-weight-disk-dir (default: a temporary folder)")
+    parser.add_argument("--transports", nargs="+", default=["tensor", "broadcast", "disk"])
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    model_dir = str(Path(args.model).absolute())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    probe = probe_tokens(model.config.vocab_size)
+
+    copy_target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    copy_target.load_state_dict(model.state_dict())  # warm-up
+    copy_s = float("inf")
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        copy_target.load_state_dict(model.state_dict())
+        copy_s = min(copy_s, time.perf_counter() - start)
+    del copy_target
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
+    process, url = start_engine(model_dir)
+    client = EngineClient(url)
+    rows = [("state_dict copy (1 process)", copy_s, nbytes, 0.0, "")]
+    try:
+        with tempfile.TemporaryDirectory(prefix="weight_sync_bench_", dir=args.disk_dir) as disk_dir:
+            for transport in args.transports:
+                options = Namespace(
+                    colocate=transport == "tensor",
+                    rollout_num_gpus_per_engine=1,
+                    rollout_backend="cpu",
+                    update_weight_transport="disk" if transport == "disk" else "nccl",
+                    update_weight_disk_dir=disk_dir,
+                    update_weight_disk_keep_files=False,
+                    hf_checkpoint=model_dir,
+                )
+                links = connect_engines(options, [client], [url], rank=0, world_size=1)
+                seconds, gap = time_pushes(model, client, links, args.buffer_size, args.repeats, probe)
+                note = ""
+                if transport == "disk":
+                    (folder,) = [p for p in Path(disk_dir).iterdir() if p.name.startswith("weights-v")]
+                    on_disk = sum(f.stat().st_size for f in folder.iterdir())
+                    note = f"{on_disk / 1e6:.0f} MB folder written, then read by the engine"
+                rows.append((transport, seconds, nbytes, gap, note))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        dist.destroy_process_group()
+
+    print(
+        f"{args.model}: {nbytes / 1e6:.0f} MB of float32 parameters, buckets of {args.buffer_size / 2**20:.1f} MiB, "
+        f"1 engine, 1 thread each, best of {args.repeats}"
+    )
+    print(f"{'transport':<28} {'seconds':>8} {'MB moved':>9} {'x copy':>7} {'probe gap':>10}  note")
+    for name, seconds, moved, gap, note in rows:
+        print(f"{name:<28} {seconds:8.3f} {moved / 1e6:9.1f} {seconds / copy_s:7.1f} {gap:10.2e}  {note}")
+
+
+if __name__ == "__main__":
+    main()

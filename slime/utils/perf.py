@@ -1,0 +1,176 @@
+"""The `perf/` figures of every step: phase times, model FLOPs and MFU, peak memory.
+
+Phase times (seconds) under `perf/<phase>_time`. The driver's phases `STEP_PHASES` follow each other, so
+they add up to `perf/step_time`; finer figures nest inside one of them and are not part of that sum:
+`reward` (inside `generate`: summed over concurrent reward calls), `ref_log_probs`, `log_probs` and
+`actor_train` / `critic_train` (inside `train`).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+# The driver's phases of one step, in order; each step has some of them (`train_wait`: the async trainer
+# waiting for its batch; `offload`: colocated trainer and engines swapping devices).
+logger = logging.getLogger(__name__)
+
+STEP_PHASES = ("generate", "train_wait", "offload", "train", "save", "update_weights", "eval")
+
+# Dense (no sparsity) BF16 tensor-core peak TFLOPs per GPU, by a substring of torch's device name.
+GPU_PEAK_TFLOPS = {
+    "GB200": 2500.0,
+    "B200": 2250.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "H20": 148.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "A10": 125.0,
+    "4090": 165.0,
+}
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of one step: `with timer.phase("train"): ...`, then `metrics()`."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+    def metrics(self) -> dict[str, float]:
+        """`perf/<phase>_time` of every phase timed, and `perf/step_time` since the timer was made."""
+        out = {f"perf/{name}_time": seconds for name, seconds in self.seconds.items()}
+        out["perf/step_time"] = time.perf_counter() - self.started
+        return out
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOPs of a decoder-only transformer depend on (read from its HF config)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    mlp_params_per_layer: int  # weights one token goes through in a layer's MLP (active experts only for MoE)
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelShape:
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        matrices = 3  # gate, up and down projections: the gated MLP of every family slime converts
+        experts_per_token = getattr(config, "num_experts_per_tok", None)
+        if experts_per_token:
+            expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+            mlp = matrices * hidden * (experts_per_token * expert_size + shared)
+            mlp += hidden * (getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", 0) or 0)
+        else:
+            mlp = matrices * hidden * config.intermediate_size
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            mlp_params_per_layer=mlp,
+        )
+
+
+def forward_flops(shape: ModelShape, seq_lens: list[int]) -> float:
+    """FLOPs of one forward pass over sequences of these lengths.
+
+    Each weight a token passes through costs 2 FLOPs (multiply + add): the attention projections, the MLP
+    and the LM head. Attention scores and their weighted sum cost 2 * 2 * s * heads * head_dim per token
+    and layer over the full s x s matrix, the usual convention for MFU (PaLM, Megatron). Embedding lookups
+    cost nothing. A training step (forward + backward) is 3x this.
+    """
+    h, q = shape.hidden_size, shape.num_heads * shape.head_dim
+    attention_params = h * q + 2 * h * shape.num_kv_heads * shape.head_dim + q * h
+    params_per_token = shape.num_layers * (attention_params + shape.mlp_params_per_layer) + shape.vocab_size * h
+    tokens = sum(seq_lens)
+    score_flops = sum(4 * s * s * q for s in seq_lens) * shape.num_layers
+    return 2.0 * params_per_token * tokens + score_flops
+
+
+def cpu_peak_tflops(num_threads: int | None = None) -> float:
+    """FP32 peak of `num_threads` cores (default: torch's thread count): cores x clock x FLOPs per cycle.
+
+    FLOPs per cycle per core from the vector units in /proc/cpuinfo: 2 FMA units x 2 FLOPs x the FP32 lanes
+    (16 with AVX-512, 8 with AVX2, 4 otherwise).
+    """
+    threads = num_threads or torch.get_num_threads()
+    flags, mhz = set(), 2000.0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+                elif line.startswith("cpu MHz"):
+                    mhz = float(line.split(":", 1)[1])
+                    break
+    except OSError:  # not Linux: assume AVX2 at 2 GHz
+        flags = {"avx2", "fma"}
+    lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
+    return threads * mhz * 1e6 * 2 * 2 * lanes / 1e12
+
+
+def device_peak_tflops(override: float | None = None) -> float | None:
+    """`--peak-tflops` when given, else the known peak of this process's GPU (None for an unknown one), else
+    `cpu_peak_tflops()`."""
+    if override:
+        return override
+    if not torch.cuda.is_available():
+        return cpu_peak_tflops()
+    name = torch.cuda.get_device_name()
+    for key, tflops in GPU_PEAK_TFLOPS.items():
+        if key in name:
+            return tflops
+    logger.warning("no known peak TFLOPs for GPU %r: pass --peak-tflops to log MFU", name)
+    return None
+
+
+def peak_memory_gb() -> float:
+    """This process's peak memory: GPU memory allocated by torch on a GPU, else the peak resident size."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def process_tree_peak_memory_gb(pid: int) -> float:
+    """Sum of the peak resident sizes (VmHWM, Linux) of process `pid` and its descendants (0 where unreadable)."""
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total_kib = 0
+    for process in processes:
+        try:
+            with open(f"/proc/{process.pid}/status") as f:
+                total_kib += next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
+        except (OSError, ValueError):
+            continue
+    return total_kib / 2**20
