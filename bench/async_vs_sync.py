@@ -7,11 +7,14 @@ Both runs use the CPU quickstart's training config (8 prompts x 4 samples, 32 ne
 0.5, GRPO, lr 2e-5, token-budget micro-batches) without its eval and saves, so a step is generation and
 training only, and train on the same number of samples:
 
-- sync: `train.py`; generation and training take turns, so each gets all `--cores` threads in its turn
-  (train.py's warning that 2 + 2 threads exceed 2 cores is expected: the two never run at once).
+- sync: `train.py`; generation and training take turns, so each gets all `--cores` threads in its turn.
 - async: `train_async.py --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async
   --max-weight-staleness 1`; the engine generates while the trainer trains, so they split the cores
   (2 cores: one thread each).
+
+`--max-response-len` and `--prompt-suffix` (e.g. ' Explain each step.') make responses longer, so
+generation takes a larger share of the step. The table ends with the cap perfect overlap would give at
+the sync run's phase times: sync step / max(generate, train + push).
 
 Steps/s leave out each run's first step (warm-up: the first batch is generated with nothing to overlap).
 Reward is the mean `rollout/reward` of the last `--last-k` rollouts with its standard error over those
@@ -64,18 +67,22 @@ class ModeResult:
     stale_groups: float | None
     trainer_wait_mean: float | None
     generation_wait_mean: float | None
+    generate_time_mean: float | None
+    train_time_mean: float | None
+    update_weights_time_mean: float | None
+    response_length_mean: float | None
     wall_s: float
     load_average_before: float
 
 
-def quickstart_flags(model: Path, data: Path, num_rollout: int, save_dir: Path) -> list[str]:
+def quickstart_flags(model: Path, data: Path, num_rollout: int, save_dir: Path, max_response_len: int) -> list[str]:
     """scripts/run-quickstart-cpu.sh's training flags, without its eval, saves and thread budgets."""
     return [
         "--hf-checkpoint", str(model),
         "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
         "--rm-type", "last_number",
         "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--num-rollout", str(num_rollout),
-        "--rollout-max-response-len", "32", "--rollout-temperature", "0.5",
+        "--rollout-max-response-len", str(max_response_len), "--rollout-temperature", "0.5",
         "--advantage-estimator", "grpo", "--lr", "2e-5",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
         "--save", str(save_dir),
@@ -113,6 +120,10 @@ def summarize(mode: str, command: list[str], rows: list[dict], last_k: int, wall
         stale_groups=sum(stale_groups) if stale_groups else None,
         trainer_wait_mean=mean_or_none(column(rows, "perf/train_wait_time")),
         generation_wait_mean=mean_or_none(column(rows, "rollout/generation_wait_time")),
+        generate_time_mean=mean_or_none(column(rows[1:], "perf/generate_time")),
+        train_time_mean=mean_or_none(column(rows[1:], "perf/train_time")),
+        update_weights_time_mean=mean_or_none(column(rows[1:], "perf/update_weights_time")),
+        response_length_mean=mean_or_none(column(rows, "rollout/response_length")),
         wall_s=wall_s,
         load_average_before=load,
     )
@@ -154,6 +165,14 @@ def print_table(sync: ModeResult, fully_async: ModeResult, last_k: int) -> None:
         "over rollouts; staleness mean/max in weight pushes"
     )
     print(f"speed ratio async/sync (steps/s): {fully_async.steps_per_s / sync.steps_per_s:.2f}x")
+    generate, train, push = sync.generate_time_mean, sync.train_time_mean, sync.update_weights_time_mean
+    if None not in (generate, train, push):
+        # Perfect overlap at sync's per-phase speed: a step takes the longer of generation and train + push.
+        cap = (1 / sync.steps_per_s) / max(generate, train + push)
+        print(
+            f"sync step: generate {generate:.1f} s + train {train:.1f} s + push {push:.1f} s (mean response "
+            f"{fmt(sync.response_length_mean, '.1f')} tokens); perfect overlap at these speeds caps async at {cap:.2f}x"
+        )
     if sync.reward_se is not None and fully_async.reward_se is not None:
         diff_se = math.hypot(sync.reward_se, fully_async.reward_se)
         print(f"reward async - sync: {fully_async.reward_mean - sync.reward_mean:+.3f} ± {diff_se:.3f}")
@@ -178,6 +197,13 @@ def main() -> None:
         default=None,
         help="async: trainer threads (default: half the cores; the engine gets the rest, at least 1)",
     )
+    parser.add_argument("--max-response-len", type=int, default=32, help="--rollout-max-response-len of both runs")
+    parser.add_argument(
+        "--prompt-suffix",
+        default="",
+        help="appended to every prompt (a copy of --data is written to --output-dir), e.g. ' Explain each step.' "
+        "for longer responses: a generation-bound workload",
+    )
     parser.add_argument("--output-dir", default="outputs/bench-async-vs-sync")
     args = parser.parse_args()
 
@@ -198,13 +224,19 @@ def main() -> None:
         if (out / mode).exists():
             raise SystemExit(f"{out / mode} already exists: pass --output-dir <new folder>, or remove it")
     out.mkdir(parents=True, exist_ok=True)
+    if args.prompt_suffix:
+        rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+        data = out / "prompts.jsonl"
+        data.write_text(
+            "".join(json.dumps({**row, "prompt": row["prompt"] + args.prompt_suffix}) + "\n" for row in rows)
+        )
 
     train_threads = args.async_train_threads or args.cores // 2
     engine_threads = max(1, args.cores - train_threads)
-    sync_flags = quickstart_flags(model, data, args.num_rollout, out / "sync") + [
+    sync_flags = quickstart_flags(model, data, args.num_rollout, out / "sync", args.max_response_len) + [
         "--train-num-threads", str(args.cores), "--cpu-engine-num-threads", str(args.cores),
     ]  # fmt: skip
-    async_flags = quickstart_flags(model, data, args.num_rollout, out / "async") + [
+    async_flags = quickstart_flags(model, data, args.num_rollout, out / "async", args.max_response_len) + [
         "--rollout-function-path", FULLY_ASYNC, "--max-weight-staleness", str(args.max_weight_staleness),
         "--train-num-threads", str(train_threads), "--cpu-engine-num-threads", str(engine_threads),
     ]  # fmt: skip
