@@ -17,6 +17,7 @@ from slime.utils.arguments import (
     parse_args,
     validate_args,
 )
+from slime.utils.arguments.cluster import _copy_prefixed_actions
 from slime.utils.arguments.validation import cpu_thread_counts
 
 # Explicit backends so these tests mean the same with or without CUDA.
@@ -610,3 +611,13 @@ def test_help_lists_the_groups(capsys):
 def test_peak_tflops_must_be_positive(value):
     with pytest.raises(ArgumentValidationError, match=f"--peak-tflops {float(value)}: .* a positive number"):
         parse_args(BASE + ["--peak-tflops", value])
+
+
+def test_prefixed_copies_of_on_off_options_keep_their_negative_form():
+    source = argparse.ArgumentParser()
+    source.add_argument("--enable-tf32-matmul", action=argparse.BooleanOptionalAction, default=None)
+    target = argparse.ArgumentParser()
+    _copy_prefixed_actions(source._actions[1:], target.add_argument_group("sglang"), "sglang-")
+    assert target.parse_args(["--sglang-enable-tf32-matmul"]).sglang_enable_tf32_matmul is True
+    assert target.parse_args(["--sglang-no-enable-tf32-matmul"]).sglang_enable_tf32_matmul is False
+    assert target.parse_args([]).sglang_enable_tf32_matmul is None

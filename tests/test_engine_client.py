@@ -131,6 +131,7 @@ def test_options_follow_the_target_parser():
 
 @pytest.mark.gpu
 def test_sglang_server_args_parse_with_real_sglang():
+    pytest.importorskip("sglang")
     from slime.backends.sglang_utils.engine_command_line import sglang_cli_parser
     from slime.utils.arguments import SGLANG_MANAGED_FIELDS
 
@@ -139,14 +140,14 @@ def test_sglang_server_args_parse_with_real_sglang():
     every_field = {
         action.dest: action.default for action in parser._actions if action.dest not in SGLANG_MANAGED_FIELDS
     }
-    user_changes = {"mem_fraction_static": 0.6, "cuda_graph_bs": [1, 2]}
+    user_changes = {"mem_fraction_static": 0.6, "cuda_graph_bs_decode": [1, 2]}
     args = Namespace(sglang_server_args=every_field | user_changes, offload_rollout=True)
     cli = build_sglang_server_args(
         args, model_path="/ckpt", host="127.0.0.1", port=30001, tp_size=2, base_gpu_id=1, nccl_port=30002
     )
     parsed = parser.parse_args(cli)
     assert (parsed.model_path, parsed.tp_size, parsed.base_gpu_id, parsed.port) == ("/ckpt", 2, 1, 30001)
-    assert parsed.mem_fraction_static == 0.6 and parsed.cuda_graph_bs == [1, 2] and parsed.enable_memory_saver
+    assert parsed.mem_fraction_static == 0.6 and parsed.cuda_graph_bs_decode == [1, 2] and parsed.enable_memory_saver
     # Unchanged defaults stay off the command line: only slime's fields and the two changes are there.
     assert sorted(word for word in cli if word.startswith("--")) == sorted(
         ["--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--nccl-port", "--nnodes", "--node-rank",

@@ -108,7 +108,8 @@ class TrainRayActor:
         )
 
     def _local_rank(self) -> int:
-        gpu_ids = ray.get_gpu_ids() if torch.cuda.is_available() else []
+        # Outside a Ray worker (a trainer built in-process) ray.get_gpu_ids() would start a local Ray instance.
+        gpu_ids = ray.get_gpu_ids() if torch.cuda.is_available() and ray.is_initialized() else []
         return int(gpu_ids[0]) if gpu_ids else 0
 
     def get_master_addr_and_port(self) -> tuple[str, int]:

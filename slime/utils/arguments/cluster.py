@@ -184,7 +184,20 @@ def _copy_prefixed_actions(actions: list[argparse.Action], group: argparse._Argu
         prefixed = copy.copy(action)
         prefixed.option_strings = [f"--{flag_prefix}{opt[2:]}" for opt in action.option_strings if opt.startswith("--")]
         prefixed.dest = dest_prefix + action.dest
+        if isinstance(action, argparse.BooleanOptionalAction):
+            prefixed.__class__ = _PrefixedBooleanOptional
+            prefixed.negative_prefix = f"--{flag_prefix}no-"
         group._add_action(prefixed)
+
+
+class _PrefixedBooleanOptional(argparse.BooleanOptionalAction):
+    """A copied `--x` / `--no-x` pair: argparse tells the negative form by a leading `--no-`, which the prefix
+    hides (`--sglang-no-x`), so the copy compares against its own negative spelling."""
+
+    negative_prefix = "--no-"
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith(self.negative_prefix))
 
 
 @functools.cache
@@ -199,7 +212,9 @@ def _sglang_source_parser() -> argparse.ArgumentParser | None:
         return None
     parser = argparse.ArgumentParser(add_help=False)
     server_args.ServerArgs.add_cli_args(parser)
-    fields = {f.name for f in dataclasses.fields(server_args.ServerArgs)}
+    # ServerArgs is a dataclass in older SGLang and a msgspec Struct (fields in `record_fields`) in newer ones.
+    fields_of = getattr(server_args, "record_fields", dataclasses.fields)
+    fields = {f.name for f in fields_of(server_args.ServerArgs)}
     # Keep only dataclass fields: those are what an engine's ServerArgs can take.
     parser._actions = [a for a in parser._actions if a.dest in fields]
     return parser
