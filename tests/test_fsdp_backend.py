@@ -127,6 +127,7 @@ def test_packed_logits_equal_unpacked(tiny_model_dir, layout):
     data = make_rollout(7, seed=1, group_size=3)  # prompt groups of 3, 3 and 1 samples
     if layout == "packed_row":
         packed = pack_micro_batch(data["tokens"], data["response_lengths"], list(range(7)))
+        assert packed.sequence_lengths == [len(t) for t in data["tokens"]]
     else:
         if layout == "shared_prompt_eager":
             model.set_attn_implementation("eager")
@@ -135,6 +136,11 @@ def test_packed_logits_equal_unpacked(tiny_model_dir, layout):
         )
         assert packed.input_ids.shape[0] == 3  # one row per distinct prompt
         assert packed.sample_indices == [6, 0, 1, 2, 3, 4, 5]  # grouped by prompt, first appearance first
+        # FLOPs are counted over each row: its prompt once, then its responses (no padding).
+        prompts = [data["tokens"][i][: len(data["tokens"][i]) - data["response_lengths"][i]] for i in (6, 0, 3)]
+        responses = [[6], [0, 1, 2], [3, 4, 5]]
+        expected = [len(p) + sum(data["response_lengths"][i] for i in r) for p, r in zip(prompts, responses)]
+        assert packed.sequence_lengths == expected
     with torch.no_grad():
         packed_logits = response_logits(model, packed)
     row = 0

@@ -33,6 +33,10 @@ def test_forward_flops_equal_torch_flop_counter(arch, tmp_path):
             model(torch.randint(0, config.vocab_size, (1, length)))
         counted += counter.get_total_flops()
     assert forward_flops(ModelShape.from_hf_config(config), lengths) == counted
+    # Logits of the last 5 positions only (as the trainers compute them): the LM head counts for those alone.
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (1, 33)), logits_to_keep=5)
+    assert forward_flops(ModelShape.from_hf_config(config), [33], head_tokens=5) == counter.get_total_flops()
 
 
 def test_phase_times_nest_in_the_step_time():

@@ -109,8 +109,10 @@ def assert_perf_metrics_add_up(history: list[dict], driver_log: str, model_dir, 
 
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
     for row in history:
-        lengths = [len(s.tokens) for s in saved_samples(save, row["rollout_id"])]
-        expected = 3 * forward_flops(shape, lengths) / row["perf/actor_train_time"] / 1e12  # one trainer rank
+        # One sample per micro-batch (--micro-batch-size 1): each is a sequence, its logits only where it responds.
+        samples = saved_samples(save, row["rollout_id"])
+        flops = forward_flops(shape, [len(s.tokens) for s in samples], sum(s.response_length for s in samples))
+        expected = 3 * flops / row["perf/actor_train_time"] / 1e12  # one trainer rank
         assert row["perf/actor_train_tflops"] == pytest.approx(expected, rel=1e-3)
         peak = row["perf/actor_train_tflops"] / row["perf/actor_train_mfu"]
         assert any(peak == pytest.approx(cpu_peak_tflops(threads), rel=1e-6) for threads in (1, 2))

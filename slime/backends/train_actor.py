@@ -288,10 +288,10 @@ class TrainRayActor:
         self._end_of_rollout(rollout_id)
         release_free_host_memory()  # the step's activations, or the trainer's resident size keeps growing
         return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()} | self._perf_metrics(
-            timer, data
+            timer, data, steps
         )
 
-    def _perf_metrics(self, timer: PhaseTimer, data: dict) -> dict[str, float]:
+    def _perf_metrics(self, timer: PhaseTimer, data: dict, steps: list[list]) -> dict[str, float]:
         """Phase times of this rank, TFLOPs and MFU per device of the training step, peak memory over ranks."""
         role = self.role
         out = {f"perf/{name}_time": seconds for name, seconds in timer.seconds.items()}
@@ -299,14 +299,25 @@ class TrainRayActor:
         out[f"perf/{role}_peak_memory_gb"] = self._all_reduce(peak, None, dist.ReduceOp.MAX).item()
         if self.model_shape is None:
             return out
-        # Every rank's share of the data-parallel batch, summed: the FLOPs the whole group did.
-        local = torch.tensor([forward_flops(self.model_shape, data["total_lengths"])], dtype=torch.float64)
+        # The sequences this rank's forwards ran over (not padding micro-batches), summed over the data-parallel
+        # group: the FLOPs the whole group did.
+        micro_batches = [mb for step in steps for mb in step if getattr(mb, "weight", 1.0)]
+        lengths = [n for mb in micro_batches for n in self._sequence_lengths(mb, data)]
+        head = [getattr(mb, "head_tokens", None) for mb in micro_batches]  # positions whose logits are computed
+        flops = forward_flops(self.model_shape, lengths, None if None in head else sum(head))
+        local = torch.tensor([flops], dtype=torch.float64)
         total = self._all_reduce(local, self._data_parallel_group()).item()
         per_device = 3 * total / dist.get_world_size() / max(timer.seconds[f"{role}_train"], 1e-9) / 1e12
         out[f"perf/{role}_train_tflops"] = per_device
         if self.peak_tflops:
             out[f"perf/{role}_train_mfu"] = per_device / self.peak_tflops
         return out
+
+    def _sequence_lengths(self, micro_batch: Any, data: dict) -> list[int]:
+        """Tokens of each sequence a micro-batch's forward runs over: its samples, unless the backend lays
+        samples out otherwise (FSDP's shared-prompt rows compute a prompt once for all its responses)."""
+        lengths = getattr(micro_batch, "sequence_lengths", None)
+        return lengths if lengths else [data["total_lengths"][i] for i in micro_batch.sample_indices]
 
     def _check_rollout_log_probs(self, data: dict) -> None:
         """Refuse `--use-rollout-logprobs` / `--use-tis` on data without the engines' log-probs."""

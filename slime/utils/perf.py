@@ -100,20 +100,22 @@ class ModelShape:
         )
 
 
-def forward_flops(shape: ModelShape, seq_lens: list[int]) -> float:
+def forward_flops(shape: ModelShape, seq_lens: list[int], head_tokens: int | None = None) -> float:
     """FLOPs of one forward pass over sequences of these lengths.
 
     Each weight a token passes through costs 2 FLOPs (multiply + add): the attention projections, the MLP
-    and the LM head. Attention scores and their weighted sum cost 2 * 2 * s * heads * head_dim per token
-    and layer over the full s x s matrix, the usual convention for MFU (PaLM, Megatron). Embedding lookups
-    cost nothing. A training step (forward + backward) is 3x this.
+    and, for the `head_tokens` positions whose logits are computed (default: every token), the LM head.
+    Attention scores and their weighted sum cost 2 * 2 * s * heads * head_dim per token and layer over the
+    full s x s matrix, the usual convention for MFU (PaLM, Megatron). Embedding lookups cost nothing. A
+    training step (forward + backward) is 3x this.
     """
     h, q = shape.hidden_size, shape.num_heads * shape.head_dim
     attention_params = h * q + 2 * h * shape.num_kv_heads * shape.head_dim + q * h
-    params_per_token = shape.num_layers * (attention_params + shape.mlp_params_per_layer) + shape.vocab_size * h
     tokens = sum(seq_lens)
+    head_tokens = tokens if head_tokens is None else head_tokens
     score_flops = sum(4 * s * s * q for s in seq_lens) * shape.num_layers
-    return 2.0 * params_per_token * tokens + score_flops
+    layer_flops = 2.0 * shape.num_layers * (attention_params + shape.mlp_params_per_layer) * tokens
+    return layer_flops + 2.0 * shape.vocab_size * h * head_tokens + score_flops
 
 
 def cpu_peak_tflops(num_threads: int | None = None) -> float:

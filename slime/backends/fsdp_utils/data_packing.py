@@ -26,7 +26,7 @@ number of forwards: `align_micro_batch_counts` pads short ranks with zero-weight
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,14 @@ class PackedMicroBatch:
         target_tokens: `[M]` the response tokens, concatenated in sample order.
         response_lengths: Response length of each sample (splits the `M` axis per sample).
         weight: 1.0, or 0.0 for a padding micro-batch that only keeps collectives aligned.
+        sequence_lengths: Tokens of each sequence the forward attends within, padding left out (a sample; or a
+            prompt with its responses): what the model FLOPs are counted over.
     """
+
+    @property
+    def head_tokens(self) -> int:
+        """Positions that go through the LM head: every row at each column some response token is predicted from."""
+        return self.input_ids.shape[0] * int(torch.unique(self.logit_positions).numel())
 
     sample_indices: list[int]
     input_ids: torch.Tensor
@@ -63,6 +70,7 @@ class PackedMicroBatch:
     target_tokens: torch.Tensor
     response_lengths: list[int]
     weight: float = 1.0
+    sequence_lengths: list[int] = field(default_factory=list)
 
 
 def pack_micro_batch(
@@ -104,6 +112,7 @@ def pack_micro_batch(
         target_tokens=input_ids[0, logit_positions_tensor + 1],
         response_lengths=lengths,
         weight=weight,
+        sequence_lengths=[len(tokens[index]) for index in sample_indices],
     )
 
 
@@ -175,6 +184,7 @@ def pack_shared_prompt_rows(
         target_tokens=torch.tensor(targets, dtype=torch.long, device=device),
         response_lengths=lengths,
         weight=weight,
+        sequence_lengths=[len(prompt) + sum(response_lengths[i] for i in members) for prompt, members in rows.items()],
     )
 
 
