@@ -30,21 +30,23 @@ def train(args) -> None:
         metrics = dict(batch.metrics)
 
         if actor is not None:
-            with timer.phase("offload"):
-                if args.offload_rollout:
-                    ray.get(manager.offload.remote())
-                if args.offload_train:
-                    actor.onload()
+            if args.offload_rollout or args.offload_train:
+                with timer.phase("offload"):
+                    if args.offload_rollout:
+                        ray.get(manager.offload.remote())
+                    if args.offload_train:
+                        actor.onload()
             with timer.phase("train"):
                 metrics |= train_one_rollout(run, rollout_id, batch.data_refs)
             if should_run_periodic_action(rollout_id, args.save_interval, run.num_rollout_per_epoch, run.num_rollout):
                 with timer.phase("save"):
                     save_checkpoint(run, rollout_id)
-            with timer.phase("offload"):
-                if args.offload_train:
-                    actor.offload()
-                if args.offload_rollout:
-                    ray.get(manager.onload.remote())
+            if args.offload_rollout or args.offload_train:
+                with timer.phase("offload"):
+                    if args.offload_train:
+                        actor.offload()
+                    if args.offload_rollout:
+                        ray.get(manager.onload.remote())
             with timer.phase("update_weights"):
                 metrics |= update_weights(run)
 

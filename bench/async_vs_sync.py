@@ -4,7 +4,7 @@
     python bench/async_vs_sync.py --model models/SmolLM2-135M-Instruct --num-rollout 10
 
 Both runs use the CPU quickstart's training config (8 prompts x 4 samples, 32 new tokens, temperature
-0.5, GRPO, lr 2e-5, token-budget micro-batches) without its eval and saves, so a step is generation and
+0.5, GRPO, lr 2e-5 on a cosine to 2e-6, a 0.01 low-var KL loss, token-budget micro-batches) without its eval and saves, so a step is generation and
 training only, and train on the same number of samples:
 
 - sync: `train.py`; generation and training take turns, so each gets all `--cores` threads in its turn.
@@ -83,7 +83,8 @@ def quickstart_flags(model: Path, data: Path, num_rollout: int, save_dir: Path, 
         "--rm-type", "last_number",
         "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--num-rollout", str(num_rollout),
         "--rollout-max-response-len", str(max_response_len), "--rollout-temperature", "0.5",
-        "--advantage-estimator", "grpo", "--lr", "2e-5",
+        "--advantage-estimator", "grpo", "--lr", "2e-5", "--lr-decay-style", "cosine", "--min-lr", "2e-6",
+        "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
         "--save", str(save_dir),
     ]  # fmt: skip

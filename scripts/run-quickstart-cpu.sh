@@ -25,7 +25,8 @@ ARGS=(
     --rm-type last_number
     --rollout-batch-size 8 --n-samples-per-prompt 4 --num-rollout "${NUM_ROLLOUT:-30}"
     --rollout-max-response-len 32 --rollout-temperature 0.5
-    --advantage-estimator grpo --lr 2e-5
+    --advantage-estimator grpo --lr 2e-5 --lr-decay-style cosine --min-lr 2e-6
+    --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl
     --use-dynamic-batch-size --max-tokens-per-gpu 4096
     --eval-prompt-data addition data/addition/eval.jsonl --eval-interval 10
     --eval-temperature 0 --eval-max-response-len 32

@@ -118,6 +118,9 @@ class RayTrainGroup:
 
         rank0 = make(0, None, None)
         master_addr, master_port = ray.get(rank0.get_master_addr_and_port.remote())
+        if actor_slice.multi_node:
+            # Rank 0 names 127.0.0.1 on CPU; the ranks reach it at its node's IP (its store listens on every address).
+            master_addr = actor_slice.node_ips[0]
         self.actors = [rank0] + [make(rank, master_addr, master_port) for rank in range(1, world_size)]
 
     def __len__(self) -> int:

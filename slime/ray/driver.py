@@ -189,8 +189,13 @@ def run_driver(train_fn: Callable[[Any], None], argv: list[str] | None = None) -
         traceback.print_exc()
         # Ray relays the actors' stderr asynchronously: stop it first so the summary really is the last line.
         ray.shutdown()
-        message = str(cause.args[0]) if cause.args else str(cause)
-        sys.exit(f"slime: {type(cause).__name__}: {message.strip().splitlines()[0] if message.strip() else ''}")
+        message = (str(cause.args[0]) if cause.args else str(cause)).strip()
+        if isinstance(cause, ray.exceptions.RayActorError) and cause.actor_init_failed and message:
+            # An actor whose __init__ raised: Ray's message is a header, then the traceback, the error last.
+            summary = message.splitlines()[-1].strip()
+        else:
+            summary = message.splitlines()[0] if message else ""
+        sys.exit(f"slime: {type(cause).__name__}: {summary}")
 
 
 def finish(run: TrainingRun) -> None:

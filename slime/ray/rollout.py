@@ -302,7 +302,8 @@ class RolloutManager:
         # Colocated engines share each bundle with a trainer rank, so each takes a fraction of it.
         share = 0.2 if args.colocate else 1.0
         options: dict[str, Any] = {"num_cpus": share}
-        kwargs: dict[str, Any] = {"backend": args.rollout_backend}
+        # 127.0.0.1, or its node's IP on a multi-node cluster: the router and the trainer reach it there.
+        kwargs: dict[str, Any] = {"backend": args.rollout_backend, "host": rollout_slice.host(rank * per_engine)}
         if rollout_slice.use_gpu:
             options |= {
                 "num_gpus": share,

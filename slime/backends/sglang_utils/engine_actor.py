@@ -43,7 +43,8 @@ class RolloutEngine(EngineClient):
             `sglang_server_args`, `offload_rollout`, `cpu_engine_*`, `server_log_dir`).
         rank: Engine index, used in log names.
         backend: "sglang" (GPU) or "cpu".
-        host: Address the server binds and is reached at.
+        host: Address the server binds and is reached at: 127.0.0.1, or on a multi-node cluster this node's IP
+            (the RolloutManager passes `PlacementSlice.host`); a non-loopback host needs an API key.
         port: HTTP port; a free one when None.
         model_path: Checkpoint to serve; `args.hf_checkpoint` when None.
         base_gpu_id: First GPU index of this engine on its node (SGLang only).
@@ -68,11 +69,12 @@ class RolloutEngine(EngineClient):
         if backend not in BACKENDS:
             raise ValueError(f"unknown engine backend {backend!r}; choose one of {BACKENDS}")
         api_key = engine_api_key(args)
-        if not api_key and not _is_loopback(host):
+        if not api_key and not is_loopback_host(host):
             raise ValueError(
                 f"refusing to start engine {rank} on host {host!r} without an API key: engines map weight handles "
                 "sent in request bodies and accept weight pushes from anyone who can reach them. Pass "
-                "--sglang-api-key KEY, or keep the engine on 127.0.0.1."
+                "--sglang-api-key KEY (on a multi-node Ray cluster engines listen on their node's IP), or keep the "
+                "engine on 127.0.0.1."
             )
         self.args = args
         self.rank = rank
@@ -157,7 +159,8 @@ class RolloutEngine(EngineClient):
             stop_server_process(self.process)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """True for "localhost" and loopback addresses (all of 127.0.0.0/8 and ::1); any other name may be public."""
     if host == "localhost":
         return True
     try:
