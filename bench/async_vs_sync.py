@@ -4,8 +4,8 @@
     python bench/async_vs_sync.py --model models/SmolLM2-135M-Instruct --num-rollout 10
 
 Both runs use the CPU quickstart's training config (8 prompts x 4 samples, 32 new tokens, temperature
-0.5, GRPO, lr 2e-5 on a cosine to 2e-6, a 0.01 low-var KL loss, token-budget micro-batches) without its eval and saves, so a step is generation and
-training only, and train on the same number of samples:
+0.5, GRPO, lr 2e-5 on a cosine to 2e-6, a 0.01 low-var KL loss, token-budget micro-batches) without
+its eval and saves, so a step is generation and training only, and train on the same number of samples:
 
 - sync: `train.py`; generation and training take turns, so each gets all `--cores` threads in its turn.
 - async: `train_async.py --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async
