@@ -9,7 +9,8 @@ This process plays training rank 0 (world size 1, gloo) holding the HF model; on
 (`python -m slime.backends.cpu_engine`, one thread) serves the same model. Each push goes through
 `update_engine_weights` (pause, flush, send, resume) with buckets of `--buffer-size` bytes:
 
-- tensor: named shared memory, `/update_weights_from_tensor` (colocated engines, same host);
+- tensor: two named shared-memory segments the trainer reuses every push, `/update_weights_from_tensor`
+  (colocated engines, same host); the warm-up push creates and maps them, the timed ones only copy;
 - broadcast: a gloo group with the engine, `/update_weights_from_distributed`;
 - disk: HF safetensors shards under `--disk-dir`, `/update_weights_from_disk` (previous push deleted).
 

@@ -1,6 +1,10 @@
 """Weight transport shared by trainers and engines, between real processes.
 
 - Shared-memory payloads: serialized in this process, mapped in a spawned one.
+- Reusable shared-memory segments (CPU tensors): a real CPU engine process keeps its weights in the segments of
+  one push while the next fills the other set, computes what the pushed weights compute, refuses malformed
+  layouts with a 400, and lets go of segments the trainer unlinked; a trainer that exits or is SIGKILLed
+  leaves no segment.
 - The SGLang-style broadcast group: a trainer-like process (with a default process group)
   and an engine-like process (without one) join it, broadcast, leave and rejoin under the same
   name; and a rank built by hand the way SGLang's `init_custom_process_group` builds it (torch's
@@ -12,20 +16,36 @@ from __future__ import annotations
 import base64
 import datetime
 import io
+import json
 import os
 import pickle
+import re
+import subprocess
+import sys
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
+import requests
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
+from engine_process import REPO_ROOT, engine_server
+from transformers import AutoModelForCausalLM
 
+from slime.backends.sglang_utils.http_client import EngineClient
 from slime.utils.http_utils import find_free_port
+from slime.utils.weight_sync import bucket_named_tensors, probe_tokens, send_buckets_as_tensors
 from slime.utils.weight_transport import (
+    SHARED_MEMORY_FORMAT,
+    SHM_DIR,
+    MappedSegments,
     deserialize_named_tensors,
     init_process_group_like_sglang,
+    parse_shared_payload,
+    release_send_segments,
     serialize_named_tensors,
+    stage_named_tensors,
 )
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -156,6 +176,256 @@ def test_deserialize_refuses_foreign_globals_before_building_anything(tmp_path):
             deserialize_named_tensors(payload)
     assert not marker.exists()
     assert [name for name, _ in deserialize_named_tensors(real)] == ["w"]  # the real thing still loads
+
+
+# ---------------------------------------------------------------- reusable shared-memory segments
+
+
+def _segments_of(payloads: list[str]) -> set[str]:
+    return {json.loads(payload)["segment"] for payload in payloads}
+
+
+def _mapped_by(pid: int) -> dict[str, bool]:
+    """slime segment name -> whether it was unlinked, for every one process `pid` maps."""
+    mapped = {}
+    for line in open(f"/proc/{pid}/maps"):
+        match = re.search(r"/dev/shm/(slime_w_[0-9a-f]{16})( \(deleted\))?$", line.rstrip("\n"))
+        if match:
+            mapped[match.group(1)] = bool(match.group(2))
+    return mapped
+
+
+def test_staged_tensors_read_back_in_any_dtype_and_layout():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    named = [
+        ("transposed", base.t()),  # non-contiguous
+        ("bf16", torch.tensor([0.5, -2.0, 3.25], dtype=torch.bfloat16)),
+        ("int64", torch.tensor([[7, -8], [9, 10]])),
+        ("bool", torch.tensor([True, False, True])),
+        ("scalar", torch.tensor(2.5, dtype=torch.float64)),
+        ("empty", torch.zeros(0, 3)),
+    ]
+    expected = _as_plain([(name, tensor.clone()) for name, tensor in named])
+    segments = MappedSegments()
+    release_send_segments()
+    try:
+        payload = parse_shared_payload(stage_named_tensors(named, index=0))
+        assert _as_plain(segments.named_tensors(payload)) == expected
+        assert all(tensor.offset % 64 == 0 for tensor in payload.tensors)
+    finally:
+        segments.close()
+        release_send_segments()
+    assert not (SHM_DIR / payload.segment).exists()
+
+
+def test_a_segment_the_receiver_holds_is_never_written():
+    segments = MappedSegments()
+    weight = torch.nn.Parameter(torch.zeros(4))
+    release_send_segments()
+
+    def push(value: float, numel: int = 4) -> str:
+        """Stage chunk 0 beside what the receiver holds; it points `weight` at a view (or copies a larger one)."""
+        held = segments.holding([weight])
+        payload = parse_shared_payload(stage_named_tensors([("w", torch.full((numel,), value))], 0, held))
+        ((_, view),) = segments.named_tensors(payload)
+        weight.data = view if numel == 4 else view[:4].clone()
+        return payload.segment
+
+    try:
+        first = push(1.0)
+        assert segments.holding([weight]) == [first]
+        second = push(2.0)  # the receiver's weights live in `first`: the push goes to the other segment
+        assert second != first and weight.tolist() == [2.0] * 4
+        third = push(3.0)  # ...and back, now that the weights left `first`
+        assert third == first and weight.tolist() == [3.0] * 4
+        # A chunk that fits neither: the free one (`second`) is replaced by a larger one; `first`, held, is kept.
+        fourth = push(4.0, numel=2**19)
+        assert fourth not in (first, second) and not (SHM_DIR / second).exists() and (SHM_DIR / first).exists()
+        assert second not in segments.mappings  # the receiver let go of the segment its sender unlinked
+        assert segments.holding([weight]) == []  # that push was copied, not pointed at
+    finally:
+        segments.close()
+        release_send_segments()
+    assert not any((SHM_DIR / name).exists() for name in (first, fourth))
+
+
+class RecordingClient(EngineClient):
+    """A real engine client that also keeps what each /update_weights_from_tensor call carried."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.calls: list[dict] = []
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], **kwargs):
+        response = super().update_weights_from_tensor(serialized_named_tensors=serialized_named_tensors, **kwargs)
+        self.calls.append({"payloads": serialized_named_tensors, "response": response, **kwargs})
+        return response
+
+
+@pytest.fixture(scope="module")
+def shm_engine(tiny_model_dir):
+    with engine_server(tiny_model_dir) as (process, url):
+        yield process, url
+
+
+def _prompt_log_probs(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def _engine_log_probs(url: str, tokens: list[int]) -> torch.Tensor:
+    body = {
+        "input_ids": tokens,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    entries = requests.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"]["input_token_logprobs"]
+    return torch.tensor([entry[0] for entry in entries[1:]])
+
+
+@pytest.mark.slow
+def test_pushes_reuse_the_segments_and_deliver_the_new_values(tiny_model_dir, shm_engine):
+    process, url = shm_engine
+    client = RecordingClient(url)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    probe = probe_tokens(model.config.vocab_size)
+    generator = torch.Generator().manual_seed(0)
+
+    def push(version: str) -> set[str]:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator), alpha=0.05)
+        client.calls.clear()
+        buckets = bucket_named_tensors(((n, p.detach()) for n, p in model.named_parameters()), 40_000)
+        send_buckets_as_tensors(
+            buckets, [client], rank=0, gpus_per_engine=1, span_groups=[None], weight_version=version
+        )
+        assert all(call["load_format"] == SHARED_MEMORY_FORMAT for call in client.calls)
+        counts = [int(re.fullmatch(r"updated (\d+) tensors", call["response"]["message"])[1]) for call in client.calls]
+        assert sum(counts) == len(list(model.parameters()))
+        assert requests.get(f"{url}/get_model_info", timeout=30).json()["weight_version"] == version
+        gap = (_engine_log_probs(url, probe) - _prompt_log_probs(model, probe)).abs().max().item()
+        assert gap < 1e-5, gap
+        return _segments_of([payload for call in client.calls for payload in call["payloads"]])
+
+    release_send_segments()
+    try:
+        first = push("1")
+        assert len(first) > 2 and client.calls[0]["payloads"] == []  # several chunks, after asking what is held
+        before = _engine_log_probs(url, probe)
+        second = push("2")
+        assert not second & first  # the engine's weights live in `first`: this push fills the other segments...
+        assert set(client.calls[-1]["response"]["segments_in_use"]) == second  # ...and the weights move there
+        third = push("3")
+        assert third == first  # the same segments again, rewritten in place...
+        assert (_engine_log_probs(url, probe) - before).abs().max().item() > 1e-3  # ...with the new values
+        assert _mapped_by(process.pid) == dict.fromkeys(first | second, False)  # mapped once, kept across pushes
+
+        # Released and resumed (--offload-rollout), the engine holds no segment: the push reuses the same ones.
+        for endpoint in ("release_memory_occupation", "resume_memory_occupation"):
+            assert requests.post(f"{url}/{endpoint}", json={}, timeout=120).json()["success"] is True
+        gap = (_engine_log_probs(url, probe) - _prompt_log_probs(model, probe)).abs().max().item()
+        assert gap < 1e-5, gap  # the release snapshot of weights that lived in segments was right
+        assert push("4") == first
+
+        release_send_segments()  # as a trainer that exits; a new one pushes through new segments
+        assert not any((SHM_DIR / name).exists() for name in first | second)
+        fifth = push("5")
+        assert not fifth & (first | second)
+        assert _mapped_by(process.pid) == dict.fromkeys(fifth, False)  # the unlinked ones were let go
+    finally:
+        release_send_segments()
+
+
+@pytest.mark.slow
+@pytest.mark.reliability(
+    "malformed /update_weights_from_tensor shared-memory layout (bad JSON, foreign, missing or FIFO segment, "
+    "offset past the end or misaligned, unknown dtype, negative shape, unknown parameter)",
+    "HTTP 400 naming the problem; nothing is read out of bounds and the weights stay as they were",
+)
+def test_malformed_shared_memory_payloads_are_refused(tiny_model_dir, shm_engine):
+    _, url = shm_engine
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    name, tensor = next(iter(model.state_dict().items()))
+    probe = probe_tokens(model.config.vocab_size)
+    before = _engine_log_probs(url, probe)
+    version = requests.get(f"{url}/get_model_info", timeout=30).json()["weight_version"]
+    good = json.loads(stage_named_tensors([(name, torch.zeros_like(tensor))], index=0))
+    segment_bytes = os.path.getsize(SHM_DIR / good["segment"])
+
+    fifo = SHM_DIR / ("slime_w_" + os.urandom(8).hex())  # opening a FIFO for reading would block
+    os.mkfifo(fifo)
+
+    def entry(**changed):
+        return {**good, "tensors": [{**good["tensors"][0], **changed}]}
+
+    cases = [
+        ("{not json", "not JSON"),
+        ({**good, "segment": "../../etc/passwd"}, "slime segment name"),
+        ({**good, "segment": "torch_1_2"}, "slime segment name"),
+        ({**good, "segment": "slime_w_" + "0" * 16}, "no shared-memory segment"),
+        ({**good, "segment": fifo.name}, "is not a file of this user"),
+        (entry(offset=segment_bytes), "reach past the end"),
+        (entry(offset=2), "multiple of 4"),
+        (entry(dtype="float33"), "dtype must name a torch dtype"),
+        (entry(shape=[-1, 4]), "shape must be a list of integers"),
+        (entry(name="no.such.weight"), "unknown parameter names"),
+        (entry(shape=[1, 2]), "wrong shapes"),
+        ({"segment": good["segment"]}, "JSON object"),
+    ]
+    try:
+        for payload, expected in cases:
+            text = payload if isinstance(payload, str) else json.dumps(payload)
+            body = {"serialized_named_tensors": [text], "load_format": SHARED_MEMORY_FORMAT, "weight_version": "bad"}
+            response = requests.post(f"{url}/update_weights_from_tensor", json=body, timeout=60)
+            assert response.status_code == 400, (payload, response.text)
+            assert response.json()["success"] is False and expected in response.json()["message"], response.text
+        body = {"serialized_named_tensors": [good], "load_format": SHARED_MEMORY_FORMAT}
+        response = requests.post(f"{url}/update_weights_from_tensor", json=body, timeout=60)
+        assert response.status_code == 400 and "must be a JSON string" in response.text
+    finally:
+        release_send_segments()
+        fifo.unlink()
+    assert requests.get(f"{url}/get_model_info", timeout=30).json()["weight_version"] == version
+    assert torch.equal(_engine_log_probs(url, probe), before)
+
+
+_TRAINER = """
+import json, sys, torch
+from slime.utils.weight_transport import stage_named_tensors
+print(json.dumps([stage_named_tensors([("w", torch.ones(1000))], index) for index in (0, 1)]), flush=True)
+sys.stdin.readline()  # the test looks at /dev/shm meanwhile
+"""
+
+
+@pytest.mark.reliability(
+    "a trainer holding weight segments exits, or is killed with SIGKILL",
+    "its segments are unlinked (atexit; after SIGKILL, Python's resource tracker): nothing is left in /dev/shm",
+)
+@pytest.mark.parametrize("ending", ["exit", "sigkill"])
+def test_a_trainer_leaves_no_segment_behind(ending):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        names = _segments_of(json.loads(trainer.stdout.readline()))
+        assert len(names) == 2 and all((SHM_DIR / name).exists() for name in names)
+        if ending == "exit":
+            trainer.communicate("\n", timeout=60)
+            assert trainer.returncode == 0
+        else:
+            trainer.kill()
+            trainer.wait(timeout=60)
+        deadline = time.monotonic() + 20  # the resource tracker notices its parent is gone and cleans up
+        while any((SHM_DIR / name).exists() for name in names) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any((SHM_DIR / name).exists() for name in names)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
 
 
 # ---------------------------------------------------------------- broadcast group

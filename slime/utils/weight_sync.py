@@ -6,10 +6,11 @@ rank iterates the buckets to the end, because producing them is a collective. Th
 (payload format and group construction in `slime.utils.weight_transport`):
 
 - colocated (`--colocate`), `send_buckets_as_tensors`: engine `e` is served by training ranks
-  `[e * g, (e + 1) * g)` (g = `--rollout-num-gpus-per-engine`). Each of those ranks serializes its
-  copy of the bucket (CUDA IPC handles on GPU, named shared memory on CPU) and the first rank of the
-  span posts one payload per engine TP rank to `/update_weights_from_tensor`. Only same-host engines
-  can map it.
+  `[e * g, (e + 1) * g)` (g = `--rollout-num-gpus-per-engine`). On GPU each of those ranks serializes
+  its copy of the bucket as CUDA IPC handles and the first rank of the span posts one payload per
+  engine TP rank to `/update_weights_from_tensor`; on CPU the first rank copies the bucket into
+  shared-memory segments it keeps across pushes and posts their layout, and the engine's weights then live
+  in those segments (one copy per push). Only same-host engines can map them.
 - disaggregated, `send_buckets_by_broadcast`: training rank 0 forms a process group of its own with
   every engine rank (`connect_broadcast_group`: NCCL between GPUs, gloo when either side is on CPU),
   then per bucket posts the names/dtypes/shapes to `/update_weights_from_distributed` and broadcasts
@@ -39,8 +40,9 @@ import shutil
 import tempfile
 import uuid
 from argparse import Namespace
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,14 @@ from safetensors.torch import save_file
 from slime.utils import atomic_dir
 from slime.utils.http_utils import find_free_port
 from slime.utils.misc import load_function
-from slime.utils.weight_transport import init_process_group_like_sglang, serialize_named_tensors
+from slime.utils.weight_transport import (
+    SEGMENT_BYTES,
+    SHARED_MEMORY_FORMAT,
+    init_process_group_like_sglang,
+    serialize_named_tensors,
+    shared_memory_available,
+    stage_named_tensors,
+)
 
 GROUP_NAME = "slime_weight_update"
 
@@ -130,6 +139,14 @@ def send_buckets_as_tensors(
 ) -> None:
     """Colocated update: every rank consumes every bucket; the first rank of each engine's span posts.
 
+    CPU tensors (the CPU engine, one process whatever its span): the first rank of the span asks the engine
+    which segments its weights live in (an update of no tensors), then copies each bucket, in chunks of at
+    most `SEGMENT_BYTES`, into shared-memory segments it keeps for later pushes and that are not among those
+    (`stage_named_tensors`); it posts each chunk from a background thread while it copies the next one, and
+    the engine's weights then live in those segments. CUDA tensors (or no /dev/shm): every rank of the span
+    serializes its copy of the bucket (`serialize_named_tensors`) and the first one posts one payload per
+    engine TP rank, as SGLang expects.
+
     Args:
         buckets: HF-named tensor buckets (every rank iterates them to the end: producing them is a collective).
         engines: One handle per colocated engine, engine `e` on ranks `[e * g, (e + 1) * g)`.
@@ -141,23 +158,39 @@ def send_buckets_as_tensors(
     engine_index = rank // gpus_per_engine
     engine = engines[engine_index] if engine_index < len(engines) else None
     span_start = engine_index * gpus_per_engine
-    for bucket in buckets:
-        if engine is None:
-            continue
-        payload = serialize_named_tensors(bucket)
-        if gpus_per_engine == 1:
-            payloads = [payload]
-        else:
-            payloads = [None] * gpus_per_engine if rank == span_start else None
-            dist.gather_object(payload, payloads, dst=span_start, group=span_groups[engine_index])
-        if rank == span_start:
-            call_engine(
-                engine,
-                "update_weights_from_tensor",
-                serialized_named_tensors=payloads,
-                flush_cache=False,
-                weight_version=weight_version,
-            )
+    post = functools.partial(
+        call_engine, engine, "update_weights_from_tensor", flush_cache=False, weight_version=weight_version
+    )
+    held: set[str] | None = None  # segments the engine's weights live in when the push starts
+    posts: deque[Future] = deque()  # in flight, oldest first
+    chunks = 0
+    # One poster thread: chunks reach the engine in order, one request at a time.
+    with ThreadPoolExecutor(max_workers=1) as poster:
+        for bucket in buckets:
+            if engine is None:
+                continue
+            if any(tensor.is_cuda for _, tensor in bucket) or not shared_memory_available():
+                payload = serialize_named_tensors(bucket)
+                if gpus_per_engine == 1:
+                    payloads = [payload]
+                else:
+                    payloads = [None] * gpus_per_engine if rank == span_start else None
+                    dist.gather_object(payload, payloads, dst=span_start, group=span_groups[engine_index])
+                if rank == span_start:
+                    post(serialized_named_tensors=payloads)
+                continue
+            if rank != span_start:
+                continue
+            if held is None:  # an update of no tensors: which segments do the engine's weights live in?
+                held = set(post(serialized_named_tensors=[], load_format=SHARED_MEMORY_FORMAT)["segments_in_use"])
+            for chunk in bucket_named_tensors(bucket, SEGMENT_BYTES):
+                if len(posts) == 2:  # stop early on a refused chunk
+                    posts.popleft().result()
+                payload = stage_named_tensors(chunk, chunks, held)
+                posts.append(poster.submit(post, serialized_named_tensors=[payload], load_format=SHARED_MEMORY_FORMAT))
+                chunks += 1
+        while posts:
+            posts.popleft().result()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,7 +516,8 @@ def connect_engines(
         args: Needs `colocate`, `rollout_num_gpus_per_engine`, `rollout_backend`, `update_weight_transport`
             (disk: `update_weight_disk_dir`, `update_weight_disk_keep_files`, `hf_checkpoint`).
         engines: Engine handles (RolloutEngine Ray actors, or clients with the same methods).
-        engine_urls: Their base URLs: engines all on localhost reach rank 0 at 127.0.0.1, else at this node's IP.
+        engine_urls: Their base URLs: engines all on localhost reach rank 0 at 127.0.0.1, else at this node's IP
+            (on a multi-node cluster, where engines listen on their nodes' IPs).
         rank: This training rank.
         world_size: Number of training ranks.
         previous: The links this rank had before (reconnecting to restarted engines): disk sync goes on
@@ -505,6 +539,7 @@ def connect_engines(
             kept = previous.disk if previous is not None else None
             links.disk = kept if kept is not None else prepare_disk_target(args)
     elif rank == 0 and links.engines:
+        # Engines listen on 127.0.0.1 only on a one-node cluster (`PlacementSlice.host`), on their node's IP otherwise.
         local = all(urlparse(url).hostname in ("127.0.0.1", "localhost") for url in engine_urls)
         address = "127.0.0.1" if local else ray.util.get_node_ip_address()
         kind = getattr(args, "rollout_backend", "sglang")

@@ -3,8 +3,22 @@
 Senders are the trainers (FSDP, Megatron), receivers are the engines (SGLang, or slime's CPU
 engine, which follows SGLang's conventions so a trainer never needs to know which one it talks to).
 
-- Same host (`/update_weights_from_tensor`): `serialize_named_tensors` pickles (name, tensor)
-  pairs with torch's shared-memory reductions and base64-encodes them, the form SGLang's
+- Same host, CPU tensors (`/update_weights_from_tensor` with `load_format=SHARED_MEMORY_FORMAT`, the CPU
+  engine): a trainer process keeps named shared-memory segments under /dev/shm for its whole life, two per
+  chunk of a push. `stage_named_tensors` copies a chunk into one of them that the receiver does not hold (one
+  memcpy per tensor; after the first pushes the pages are already mapped, so no page faults) and returns JSON
+  naming the segment and each tensor's dtype, shape and byte offset. The receiver maps each segment once
+  (`MappedSegments`), checks every name, dtype, shape and offset against it (`parse_shared_payload`,
+  `MappedSegments.named_tensors`) and points its parameters of the same dtype at the views instead of copying;
+  its answer lists the segments its weights live in (`MappedSegments.holding`). A push starts with an update
+  of no tensors to learn that list and writes only segments outside it, so it costs one copy; the two
+  segments of a chunk alternate while the engine keeps its weights in one of them (with --offload-rollout the
+  engine reloads its weights into memory of its own before each push, and one set is reused). No pickle is
+  involved. The segments are unlinked when the trainer exits (atexit, or Python's resource
+  tracker after a SIGKILL); an engine keeps the memory of the ones its weights live in until the next push
+  replaces them, and drops its other mappings of unlinked segments at its next push.
+- Same host, CUDA tensors (SGLang, or platforms without /dev/shm): `serialize_named_tensors` pickles
+  (name, tensor) pairs with torch's shared-memory reductions and base64-encodes them, the form SGLang's
   `MultiprocessingSerializer` produces for `serialized_named_tensors`. CPU tensors go through
   named shared memory under torch's `file_system` sharing strategy: the default
   `file_descriptor` strategy passes descriptors over a socket that only a parent and the
@@ -22,14 +36,26 @@ engine, which follows SGLang's conventions so a trainer never needs to know whic
 
 from __future__ import annotations
 
+import atexit
 import base64
 import binascii
 import contextlib
 import datetime
 import io
+import json
+import math
+import mmap
+import os
 import pickle
-from collections.abc import Iterator
+import re
+import secrets
+import shutil
+import stat
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -71,6 +97,9 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+# torch.<name> -> dtype, e.g. "bfloat16" -> torch.bfloat16.
+_DTYPES = {str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+
 # Every global a `serialize_named_tensors` payload names, found with `pickletools.dis` on real payloads
 # (CPU tensors under the file_system strategy) and in torch.multiprocessing.reductions.reduce_tensor
 # (CUDA tensors: rebuild_cuda_tensor with the tensor class, torch.Size, TypedStorage and a dtype). Lists,
@@ -88,7 +117,7 @@ ALLOWED_PICKLE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("torch", "Size"),
     }
     # A dtype pickles as the global torch.<name>, e.g. torch.bfloat16.
-    | {("torch", str(value).removeprefix("torch.")) for value in vars(torch).values() if isinstance(value, torch.dtype)}
+    | {("torch", name) for name in _DTYPES}
 )
 
 
@@ -165,6 +194,280 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
     ):
         raise ValueError("the payload does not hold a list of (name, tensor) pairs")
     return [(name, tensor) for name, tensor in named_tensors]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU tensors: persistent named segments described by JSON
+# ---------------------------------------------------------------------------------------------
+
+SHARED_MEMORY_FORMAT = "slime_shared_memory"  # load_format of /update_weights_from_tensor for these payloads
+SHM_DIR = Path("/dev/shm")
+# Bytes per chunk, i.e. per request; a larger tensor goes alone and its segments grow to fit it.
+SEGMENT_BYTES = 64 * 2**20
+# Per chunk: one segment the receiver's weights may live in, one to fill with the next push.
+_SEGMENTS_PER_CHUNK = 2
+_ALIGN = 64  # every tensor starts at a multiple of this: aligned for any dtype, and for fast copies
+_SEGMENT_NAME = re.compile(r"slime_w_[0-9a-f]{16}")
+_MAX_DIM = 2**40
+
+
+def shared_memory_available() -> bool:
+    """Whether this host has /dev/shm (Linux), where `stage_named_tensors` keeps its segments."""
+    return SHM_DIR.is_dir()
+
+
+@dataclass
+class _SendSegment:
+    name: str
+    data: torch.Tensor  # flat uint8 over a read-write mapping of the whole segment
+    pid: int  # its creator: a forked child must not unlink its parent's segments
+
+
+_SEND_SEGMENTS: dict[int, list[_SendSegment]] = {}  # this process's segments, by chunk index
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _create_segment(nbytes: int) -> _SendSegment:
+    name = f"slime_w_{secrets.token_hex(8)}"
+    path = SHM_DIR / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        try:  # reserve the pages now: a full /dev/shm is an error here instead of a SIGBUS in the copy
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as error:
+            os.unlink(path)
+            free = shutil.disk_usage(SHM_DIR).free
+            raise RuntimeError(
+                f"cannot reserve {nbytes / 2**20:.0f} MiB in {SHM_DIR} for a colocated weight update "
+                f"({free / 2**20:.0f} MiB free): {error.strerror}; give {SHM_DIR} more room (docker: --shm-size) "
+                "or run the engines apart from the trainer (no --colocate)"
+            ) from None
+        memory = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    # Should this process die without running atexit (SIGKILL), Python's resource tracker unlinks it.
+    resource_tracker.register(f"/{name}", "shared_memory")
+    return _SendSegment(name, torch.frombuffer(memory, dtype=torch.uint8), os.getpid())
+
+
+def _unlink(segment: _SendSegment) -> None:
+    """Remove the segment's name; its memory goes once no process maps it (ours: with `segment.data`)."""
+    if segment.pid != os.getpid():
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(SHM_DIR / segment.name)
+    resource_tracker.unregister(f"/{segment.name}", "shared_memory")
+
+
+def release_send_segments() -> None:
+    """Unlink this process's send segments (also run at exit); a later `stage_named_tensors` makes new ones.
+    A receiver keeps the memory it still maps."""
+    while _SEND_SEGMENTS:
+        for segment in _SEND_SEGMENTS.popitem()[1]:
+            _unlink(segment)
+
+
+atexit.register(release_send_segments)
+
+
+@torch.no_grad()
+def stage_named_tensors(named_tensors: list[tuple[str, torch.Tensor]], index: int, held: Collection[str] = ()) -> str:
+    """Copy (name, tensor) pairs into one of this process's two segments for chunk `index` and describe them.
+
+    The segment is one not in `held`; it is created on first use, replaced by a larger one when the tensors
+    do not fit, and kept for later pushes, so they write into pages that are already mapped. A held segment
+    is never written (only unlinked when both are held, which leaves the receiver's memory alone).
+
+    Args:
+        named_tensors: (HF parameter name, tensor) pairs; any device, dtype and strides.
+        index: The chunk's position in the push (0, 1, ...): each position has segments of its own.
+        held: Names of the segments the receiver's weights live in: its answer `segments_in_use` to an update
+            of no tensors sent before the push. Holds for one receiver per sending process.
+
+    Returns:
+        One element of `serialized_named_tensors` for `/update_weights_from_tensor` with
+        `load_format=SHARED_MEMORY_FORMAT`: JSON {"segment", "tensors": [{"name", "dtype", "shape", "offset"}]}.
+
+    Raises:
+        RuntimeError: /dev/shm has no room for the segment.
+    """
+    entries, end = [], 0
+    for name, tensor in named_tensors:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        entries.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "offset": end})
+        end += _round_up(tensor.numel() * tensor.element_size(), _ALIGN)
+    segments = _SEND_SEGMENTS.setdefault(index, [])
+    free = [segment for segment in segments if segment.name not in held]
+    segment = next((segment for segment in free if segment.data.numel() >= end), None)
+    if segment is None:
+        if len(segments) == _SEGMENTS_PER_CHUNK:  # replace one that is too small, or else the oldest
+            old = free[0] if free else segments[0]
+            segments.remove(old)
+            _unlink(old)
+        segment = _create_segment(_round_up(max(end, 1), 2**20))
+        segments.append(segment)
+    for (_, tensor), entry in zip(named_tensors, entries):
+        start = entry["offset"]
+        target = segment.data[start : start + tensor.numel() * tensor.element_size()]
+        target.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    return json.dumps({"segment": segment.name, "tensors": entries})
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """One tensor of a `stage_named_tensors` payload: `math.prod(shape) * dtype.itemsize` bytes at `offset`."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class SharedPayload:
+    """A parsed `stage_named_tensors` payload: the segment's name and the tensors in it."""
+
+    segment: str
+    tensors: list[SharedTensor]
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_entry(index: int, entry: object) -> SharedTensor:
+    where = f"tensors[{index}]"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object with name, dtype, shape and offset, got {_show(entry)}")
+    name, dtype, shape, offset = (entry.get(key) for key in ("name", "dtype", "shape", "offset"))
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: name must be a non-empty string, got {_show(name)}")
+    where = f"{where} ({name[:80]})"
+    if dtype not in _DTYPES:
+        raise ValueError(f"{where}: dtype must name a torch dtype such as 'float32', got {_show(dtype)}")
+    if not isinstance(shape, list) or not all(_is_int(size) and 0 <= size < _MAX_DIM for size in shape):
+        raise ValueError(f"{where}: shape must be a list of integers in [0, 2**40), got {_show(shape)}")
+    itemsize = _DTYPES[dtype].itemsize
+    if not _is_int(offset) or offset < 0 or offset % itemsize:
+        raise ValueError(f"{where}: offset must be a non-negative multiple of {itemsize}, got {_show(offset)}")
+    return SharedTensor(name, _DTYPES[dtype], tuple(shape), offset)
+
+
+def parse_shared_payload(payload: str) -> SharedPayload:
+    """Read and check one `stage_named_tensors` payload; maps nothing yet (see `MappedSegments.named_tensors`).
+
+    Raises:
+        ValueError: naming the first malformed part: not JSON, a segment name slime does not make, or a
+            tensor entry without a name, a known dtype, a shape of non-negative integers or an aligned offset.
+    """
+    try:
+        body = json.loads(payload)
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"the payload is not JSON: {_show(error)}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("tensors"), list):
+        raise ValueError('the payload must be a JSON object {"segment": ..., "tensors": [...]} (stage_named_tensors)')
+    segment = body.get("segment")
+    if not isinstance(segment, str) or not _SEGMENT_NAME.fullmatch(segment):
+        raise ValueError(f"segment must be a slime segment name ('slime_w_' + 16 hex digits), got {_show(segment)}")
+    return SharedPayload(segment, [_parse_entry(index, entry) for index, entry in enumerate(body["tensors"])])
+
+
+@dataclass
+class _Mapping:
+    fd: int  # kept open to notice when the sender unlinks the segment
+    data: torch.Tensor  # flat uint8 over a shared read-write mapping of the whole segment
+
+
+@dataclass
+class MappedSegments:
+    """A receiver's mappings of senders' segments by name, kept from one push to the next.
+
+    Use it from one thread. A mapping lives as long as `mappings` or any view it handed out refers to it (a
+    parameter pointed at a view keeps it); mappings of segments their sender has unlinked leave `mappings` at
+    the next `named_tensors`, all at `close`.
+    """
+
+    mappings: dict[str, _Mapping] = field(default_factory=dict)
+
+    def named_tensors(self, payload: SharedPayload) -> list[tuple[str, torch.Tensor]]:
+        """Views of the payload's tensors in its segment (mapped on first use), each checked to lie inside it.
+
+        Raises:
+            ValueError: the segment does not exist on this host (the sender is elsewhere), is not a file of
+                this user, or a tensor reaches past its end.
+        """
+        for name in [name for name, mapping in self.mappings.items() if os.fstat(mapping.fd).st_nlink == 0]:
+            os.close(self.mappings.pop(name).fd)
+        data = self._map(payload.segment).data
+        named = []
+        for index, tensor in enumerate(payload.tensors):
+            end = tensor.offset + tensor.nbytes
+            if end > data.numel():
+                raise ValueError(
+                    f"tensors[{index}] ({tensor.name}): bytes [{tensor.offset}, {end}) reach past the end of "
+                    f"segment {payload.segment} ({data.numel()} bytes)"
+                )
+            try:
+                view = data[tensor.offset : end].view(tensor.dtype).view(tensor.shape)
+            except RuntimeError as error:
+                raise ValueError(
+                    f"tensors[{index}] ({tensor.name}): cannot be read as {tensor.dtype}: {error}"
+                ) from None
+            named.append((tensor.name, view))
+        return named
+
+    def holding(self, tensors: Iterable[torch.Tensor]) -> list[str]:
+        """Names of the mapped segments that any of `tensors` lives in (the answer `segments_in_use`)."""
+        pointers = [tensor.data_ptr() for tensor in tensors]
+        held = []
+        for name, mapping in self.mappings.items():
+            start = mapping.data.data_ptr()
+            if any(start <= pointer < start + mapping.data.numel() for pointer in pointers):
+                held.append(name)
+        return held
+
+    def _map(self, name: str) -> _Mapping:
+        mapping = self.mappings.get(name)
+        if mapping is not None:
+            return mapping
+        try:
+            # /dev/shm is writable by every user: follow no link, and never block opening a FIFO.
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise ValueError(
+                f"there is no shared-memory segment {name} on this host: load_format {SHARED_MEMORY_FORMAT!r} "
+                "needs the trainer on the engine's host (--colocate); use the broadcast or disk transport otherwise"
+            ) from None
+        except OSError as error:
+            raise ValueError(f"cannot open shared-memory segment {name}: {error.strerror}") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            os.close(fd)
+            raise ValueError(f"shared-memory segment {name} is not a file of this user; it was not made by a trainer")
+        try:
+            data = torch.frombuffer(mmap.mmap(fd, 0), dtype=torch.uint8)
+        except (OSError, ValueError) as error:  # an empty file cannot be mapped
+            os.close(fd)
+            raise ValueError(f"cannot map shared-memory segment {name}: {error}") from None
+        mapping = self.mappings[name] = _Mapping(fd, data)
+        return mapping
+
+    def close(self) -> None:
+        """Forget every mapping (each is unmapped once the views handed out are gone too)."""
+        while self.mappings:
+            os.close(self.mappings.popitem()[1].fd)
 
 
 def init_process_group_like_sglang(

@@ -34,6 +34,7 @@ from slime.backends.cpu_engine import batch as batching
 from slime.backends.cpu_engine import weights
 from slime.backends.cpu_engine.protocol import GenerationRequest, RequestError
 from slime.backends.cpu_engine.sampling import sample_next_tokens
+from slime.utils.weight_transport import MappedSegments
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +247,30 @@ class CpuEngine:
             weights.copy_named_tensors(self._targets, named_tensors)
             self._weights_source = None
             return self._bump_version(weight_version)
+
+        return self.call(run)
+
+    def update_weights_from_segments(
+        self,
+        named_tensors: Callable[[], list[tuple[str, torch.Tensor]]],
+        segments: MappedSegments,
+        weight_version: str | None = None,
+    ) -> concurrent.futures.Future[tuple[str, list[str]]]:
+        """Take (HF name, view) pairs from `named_tensors()`, views into `segments`, between two steps.
+
+        `named_tensors` runs on the worker thread, the one thread that uses `segments`. Parameters of the
+        view's dtype are pointed at it (no copy: `weights.adopt_named_tensors`); the sender never writes a
+        segment the weights live in until an answer says they left it.
+
+        Returns:
+            A future holding the new version and the names of the segments the weights now live in.
+        """
+
+        def run() -> tuple[str, list[str]]:
+            self._require_weights("update weights")
+            weights.adopt_named_tensors(self._targets, named_tensors())
+            self._weights_source = None
+            return self._bump_version(weight_version), segments.holding(self._targets.values())
 
         return self.call(run)
 

@@ -15,7 +15,9 @@ Endpoints (request/response shapes follow SGLang):
     POST /abort_request                  {"rid"} or {"abort_all": true}
     POST /pause_generation               {"mode": "abort" (default) | "in_place" | "retract"}
     POST /continue_generation
-    POST /update_weights_from_tensor     {"serialized_named_tensors": [base64 pickles], "weight_version"?}
+    POST /update_weights_from_tensor     {"serialized_named_tensors": [base64 pickles], "weight_version"?}, or with
+                                         "load_format": "slime_shared_memory" JSON layouts of shared-memory segments
+                                         (answer adds "segments_in_use": the ones the weights now live in)
     POST /init_weights_update_group      {"master_address", "master_port", "rank_offset", "world_size", "group_name",
                                           "backend": "gloo"}
     POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version"?}
@@ -191,7 +193,14 @@ def create_app(engine: CpuEngine, args: ServerArgs) -> web.Application:
     app = web.Application(middlewares=[_auth_middleware, _error_middleware], client_max_size=CONTROL_MAX_BODY_BYTES)
     app[_ENGINE] = engine
     # "joining": group names whose /init_weights_update_group is still running; "join_waits": their futures.
-    app[_STATE] = {"args": args, "groups": {}, "joining": set(), "join_waits": set()}
+    # "segments": the mappings of trainers' shared memory (/update_weights_from_tensor), kept across pushes.
+    app[_STATE] = {
+        "args": args,
+        "groups": {},
+        "joining": set(),
+        "join_waits": set(),
+        "segments": weight_transport.MappedSegments(),
+    }
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
@@ -227,6 +236,7 @@ def create_app(engine: CpuEngine, args: ServerArgs) -> web.Application:
 
     async def stop_engine(app: web.Application) -> None:
         await asyncio.to_thread(app[_ENGINE].shutdown)
+        app[_STATE]["segments"].close()
 
     app.on_shutdown.append(abort_all)
     app.on_cleanup.append(stop_engine)
@@ -549,26 +559,63 @@ async def update_weights_from_tensor(request: web.Request) -> dict:
     body = await _json_body(request)
     payloads = _field(body, "serialized_named_tensors", list)
     load_format = _field(body, "load_format", str, None)
-    if load_format not in (None, "direct"):
+    shared = load_format == weight_transport.SHARED_MEMORY_FORMAT
+    if load_format not in (None, "direct") and not shared:
         raise RequestError(
-            f"load_format={load_format!r} is not supported; send lists of (name, tensor) pairs with load_format null"
+            f"load_format={load_format!r} is not supported; send base64 pickles of (name, tensor) pairs with "
+            f"load_format null, or stage_named_tensors payloads with load_format "
+            f"{weight_transport.SHARED_MEMORY_FORMAT!r}"
         )
+    for i, payload in enumerate(payloads):
+        if not isinstance(payload, str):
+            raise RequestError(f"serialized_named_tensors[{i}] must be a {'JSON' if shared else 'base64'} string")
+
+    if shared:
+
+        def parse() -> list[weight_transport.SharedPayload]:
+            parsed = []
+            for i, payload in enumerate(payloads):
+                try:
+                    parsed.append(weight_transport.parse_shared_payload(payload))
+                except ValueError as error:
+                    raise RequestError(f"serialized_named_tensors[{i}]: {error}") from None
+            return parsed
+
+        small = sum(len(payload) for payload in payloads) <= PARSE_OFF_LOOP_BYTES
+        parsed = parse() if small else await asyncio.to_thread(parse)
+        segments = request.app[_STATE]["segments"]
+
+        def named_tensors() -> list[tuple[str, torch.Tensor]]:
+            named = []
+            for i, payload in enumerate(parsed):
+                try:
+                    named.extend(segments.named_tensors(payload))
+                except ValueError as error:
+                    raise ValueError(f"serialized_named_tensors[{i}]: {error}") from None
+            return named
+
+        count = sum(len(payload.tensors) for payload in parsed)
+        version = _before_update(engine, body)
+        new_version, held = await asyncio.wrap_future(
+            engine.update_weights_from_segments(named_tensors, segments, version)
+        )
+        # The sender must not write these segments: the weights live in them now.
+        return {"message": f"updated {count} tensors", "weight_version": new_version, "segments_in_use": held}
+
     version = _before_update(engine, body)
 
     def unpack() -> list[tuple[str, torch.Tensor]]:
         named = []
         for i, payload in enumerate(payloads):
-            if not isinstance(payload, str):
-                raise RequestError(f"serialized_named_tensors[{i}] must be a base64 string")
             try:
                 named.extend(weight_transport.deserialize_named_tensors(payload))
             except Exception as error:
                 raise RequestError(f"serialized_named_tensors[{i}] could not be unpacked: {error!r}") from error
         return named
 
-    named_tensors = await asyncio.to_thread(unpack)
-    new_version = await asyncio.wrap_future(engine.update_weights(named_tensors, version))
-    return {"message": f"updated {len(named_tensors)} tensors", "weight_version": new_version}
+    unpacked = await asyncio.to_thread(unpack)
+    new_version = await asyncio.wrap_future(engine.update_weights(unpacked, version))
+    return {"message": f"updated {len(unpacked)} tensors", "weight_version": new_version}
 
 
 @_control

@@ -95,6 +95,26 @@ def copy_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tup
         targets[name].copy_(tensor)
 
 
+@torch.no_grad()
+def adopt_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Like `copy_named_tensors`, but a parameter of the tensor's dtype is pointed at the tensor itself.
+
+    For tensors that stay valid and unchanged until a later update replaces them (views into a trainer's
+    shared memory that it leaves alone while the engine holds it). Buffers and other dtypes are copied.
+    """
+    check_names_and_shapes(
+        targets,
+        {name: tuple(tensor.shape) for name, tensor in named_tensors},
+        {name: tensor.dtype.is_floating_point for name, tensor in named_tensors},
+    )
+    for name, tensor in named_tensors:
+        target = targets[name]
+        if isinstance(target, torch.nn.Parameter) and target.dtype == tensor.dtype:
+            target.data = tensor  # the Parameter object stays, so modules and tied aliases see the new data
+        else:
+            target.copy_(tensor)
+
+
 def drain_named_tensors(
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]], receive: Callable[[torch.Tensor], None]
 ) -> None:
