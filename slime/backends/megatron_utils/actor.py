@@ -26,11 +26,12 @@ local layer spec): never load transformers models in this process there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from argparse import Namespace
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -47,6 +48,7 @@ from slime.backends.megatron_utils.model import build_model, build_optimizer, in
 from slime.backends.megatron_utils.parallel import named_weights
 from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.backends.megatron_utils.update_weight import hf_weight_buckets
+from slime.backends.storage_offload import release_storages, restore_storages
 from slime.backends.train_actor import TrainRayActor, Weights
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
@@ -399,24 +401,91 @@ class MegatronTrainRayActor(TrainRayActor):
             to_every_rank=self.engine_links.colocate,
         )
 
-    def hf_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's HF-named weights `update_weights` sends, on CPU, on every rank (a collective)."""
-        buckets = hf_weight_buckets(self.model, self.family, self.vocab_size, self.args.update_weight_buffer_size)
-        return {name: tensor.cpu() for bucket in buckets for name, tensor in bucket}
-
     # ---- offload -------------------------------------------------------------------------------
     def offload(self) -> None:
-        """Free what can be freed while the engines generate: gradients (and the CUDA cache on GPU).
-
-        Weights and optimizer state stay resident: Megatron's DDP keeps them in contiguous buffers
-        that other tensors view, so moving them needs a memory saver (torch_memory_saver upstream).
-        """
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        """Free weights, gradients and optimizer state while the engines generate (`storage_offload`):
+        their storages are released (bytes kept on pinned host memory on GPU, in a temp file on CPU) and
+        `onload` restores them bit for bit; gradients come back as zeros. Sizes are in `self.offloaded`."""
+        if getattr(self, "offloaded", None):
+            return
+        with torch.no_grad():
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        # Weights first: with fp32 params the optimizer's params are the weights, released once (a released
+        # storage has size 0 and is skipped).
+        weights = release_storages(self._offload_weight_tensors())
+        optimizer = release_storages(self._offload_optimizer_tensors())
+        grads = release_storages(self._offload_grad_tensors(), keep_contents=False)
+        self.offloaded = {"weights": weights, "optimizer": optimizer, "grads": grads}
         release_free_host_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        sizes = ", ".join(f"{part} {released.nbytes / 2**20:.1f} MiB" for part, released in self.offloaded.items())
+        logger.info("rank %d: offloaded the %s: %s", self.rank, self.role, sizes)
 
     def onload(self) -> None:
-        """Undo `offload` (nothing was moved)."""
+        """Undo `offload`: weights and optimizer state back bit for bit, gradients zero."""
+        for released in getattr(self, "offloaded", {}).values():
+            restore_storages(released)
+        self.offloaded = {}
+
+    @contextlib.contextmanager
+    def _weights_onloaded(self) -> Iterator[None]:
+        # The driver pushes weights (and may probe the engines) while offloaded: bring back only the weights
+        # meanwhile; optimizer state and gradients stay released.
+        weights = getattr(self, "offloaded", {}).pop("weights", None)
+        if weights is None:
+            yield
+            return
+        restore_storages(weights)
+        try:
+            yield
+        finally:
+            self.offloaded["weights"] = release_storages(self._offload_weight_tensors())
+            release_free_host_memory()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def update_weights(self) -> None:
+        with self._weights_onloaded():
+            super().update_weights()
+
+    def check_weights_equal(self) -> dict[str, float]:
+        with self._weights_onloaded():
+            return super().check_weights_equal()
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's HF-named weights `update_weights` sends, on CPU, on every rank (a collective)."""
+        with self._weights_onloaded():
+            buckets = hf_weight_buckets(self.model, self.family, self.vocab_size, self.args.update_weight_buffer_size)
+            # Copies: a bucket may view a parameter, whose storage is released again when offloaded.
+            return {name: tensor.to("cpu", copy=True) for bucket in buckets for name, tensor in bucket}
+
+    def _offload_weight_tensors(self) -> list[torch.Tensor]:
+        # DDP's contiguous param buffers (distributed optimizer) back the params; any param outside them too.
+        tensors = [buffer.param_data for chunk in self.model for buffer in _ddp_buffers(chunk)]
+        return [t for t in tensors if t is not None] + [p.data for chunk in self.model for p in chunk.parameters()]
+
+    def _offload_optimizer_tensors(self) -> list[torch.Tensor]:
+        # The inner torch optimizers hold the fp32 main params (the model's own when training in fp32)
+        # and Adam's exp_avg / exp_avg_sq.
+        tensors = []
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(optimizer, "optimizer", None)
+            if inner is None:
+                continue
+            tensors += [param.data for group in inner.param_groups for param in group["params"]]
+            tensors += [value for state in inner.state.values() for value in state.values() if torch.is_tensor(value)]
+        return tensors
+
+    def _offload_grad_tensors(self) -> list[torch.Tensor]:
+        tensors = [buffer.grad_data for chunk in self.model for buffer in _ddp_buffers(chunk)]
+        for chunk in self.model:
+            for param in chunk.parameters():
+                tensors += [t for t in (getattr(param, "main_grad", None), param.grad) if t is not None]
+        return [t for t in tensors if t is not None]
+
+
+def _ddp_buffers(chunk) -> list:
+    return [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]
