@@ -66,7 +66,7 @@ def test_sglang_server_args_multi_node_and_no_offload():
         args, model_path="/m", host="h", port=1, tp_size=16, base_gpu_id=0, nccl_port=2,
         dist_init_addr="10.0.0.1:5000", nnodes=2, node_rank=1,
     )  # fmt: skip
-    assert "--enable-memory-saver" not in cli
+    assert "--enable-memory-saver" not in cli and "--enable-return-routed-experts" not in cli
     assert cli[cli.index("--dist-init-addr") + 1] == "10.0.0.1:5000"
     assert cli[cli.index("--nnodes") + 1] == "2" and cli[cli.index("--node-rank") + 1] == "1"
 
@@ -141,17 +141,20 @@ def test_sglang_server_args_parse_with_real_sglang():
         action.dest: action.default for action in parser._actions if action.dest not in SGLANG_MANAGED_FIELDS
     }
     user_changes = {"mem_fraction_static": 0.6, "cuda_graph_bs_decode": [1, 2]}
-    args = Namespace(sglang_server_args=every_field | user_changes, offload_rollout=True)
+    args = Namespace(
+        sglang_server_args=every_field | user_changes, offload_rollout=True, use_rollout_routing_replay=True
+    )
     cli = build_sglang_server_args(
         args, model_path="/ckpt", host="127.0.0.1", port=30001, tp_size=2, base_gpu_id=1, nccl_port=30002
     )
     parsed = parser.parse_args(cli)
     assert (parsed.model_path, parsed.tp_size, parsed.base_gpu_id, parsed.port) == ("/ckpt", 2, 1, 30001)
     assert parsed.mem_fraction_static == 0.6 and parsed.cuda_graph_bs_decode == [1, 2] and parsed.enable_memory_saver
+    assert parsed.enable_return_routed_experts  # --use-rollout-routing-replay
     # Unchanged defaults stay off the command line: only slime's fields and the two changes are there.
     assert sorted(word for word in cli if word.startswith("--")) == sorted(
         ["--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--nccl-port", "--nnodes", "--node-rank",
-         "--enable-memory-saver", "--mem-fraction-static", "--cuda-graph-bs"]
+         "--enable-memory-saver", "--enable-return-routed-experts", "--mem-fraction-static", "--cuda-graph-bs"]
     )  # fmt: skip
 
 

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -61,7 +68,7 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     seed: int = 0,
 ) -> Path:
-    """Save a random-weight `arch` ("llama" or "qwen3") model and its tokenizer to `path`."""
+    """Save a random-weight `arch` ("llama", "qwen3" or "qwen3_moe": 8 experts, top 2) model and its tokenizer to `path`."""
     path = Path(path)
     tokenizer = build_tokenizer()
     common = dict(
@@ -82,14 +89,23 @@ def build_tiny_model(
         config = LlamaConfig(**common)
     elif arch == "qwen3":
         config = Qwen3Config(head_dim=hidden_size // num_heads, **common)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            head_dim=hidden_size // num_heads,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden_size,
+            norm_topk_prob=True,
+            **common,
+        )
     else:
-        raise ValueError(f"unknown arch {arch!r}; use 'llama' or 'qwen3'")
+        raise ValueError(f"unknown arch {arch!r}; use 'llama', 'qwen3' or 'qwen3_moe'")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger-than-default init so attention is far from uniform and RoPE/positional errors show in logits.
     with torch.no_grad():
         for param in model.parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # MoE experts are 3-D
                 param.normal_(0.0, 0.2)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -94,7 +94,7 @@ def start_episode(args, sample: Sample, tokenizer: Any = None) -> Episode:
         prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     sample.tokens = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     sample.response, sample.response_length, sample.loss_mask, sample.rollout_log_probs = "", 0, [], []
-    sample.weight_versions, sample.status = [], Status.PENDING
+    sample.weight_versions, sample.status, sample.rollout_routed_experts = [], Status.PENDING, None
     episode = Episode(sample, tokenizer, context_limit(args), args.max_turns)
     if episode.room <= 0:
         raise ValueError(

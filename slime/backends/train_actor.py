@@ -37,12 +37,13 @@ lives beside the backends, not in slime/ray, because they build on it and layers
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -156,6 +157,8 @@ class TrainRayActor:
         self.weight_version = 0
         # --keep-old-actor: weight version pushed to the engines -> CPU copy of this rank's weights then
         self.pushed_weights: dict[int, Weights] = {}
+        # --use-rollout-routing-replay: the policy's forwards route as the engines did (off for the reference)
+        self.replay_routing = role == "actor" and getattr(args, "use_rollout_routing_replay", False)
         self.init_process_group(args)
         self.model_shape = (
             ModelShape.from_hf_config(AutoConfig.from_pretrained(args.hf_checkpoint)) if (args.hf_checkpoint) else None
@@ -188,6 +191,8 @@ class TrainRayActor:
         num_samples = len(data["tokens"])
         batch = {}
         for key, values in data.items():
+            if key == "rollout_routed_experts":  # laid out with the tokens by `_micro_batches`, not a loss input
+                continue
             if isinstance(values, list) and len(values) == num_samples:
                 picked = [values[i] for i in micro_batch.sample_indices]
                 batch[key] = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in picked]
@@ -235,6 +240,7 @@ class TrainRayActor:
             Metrics averaged over the rollout's optimizer steps, identical on every rank.
         """
         data = self._prepare(rollout_data)
+        self._check_rollout_routing(data)
         steps = self._micro_batches(data)
         num_samples = len(data["tokens"])
         timer = PhaseTimer()
@@ -250,7 +256,7 @@ class TrainRayActor:
             self._check_rollout_log_probs(data)
             self._check_teacher_log_probs(data)
             if self.ref_weights is not None:
-                with timer.phase("ref_log_probs"):
+                with timer.phase("ref_log_probs"), self._routing_replay_off():
                     data["ref_log_probs"] = self._log_probs_with(self.ref_weights, steps, num_samples)
             if self.args.use_rollout_logprobs:
                 data["log_probs"] = data["rollout_log_probs"]
@@ -318,6 +324,24 @@ class TrainRayActor:
         samples out otherwise (FSDP's shared-prompt rows compute a prompt once for all its responses)."""
         lengths = getattr(micro_batch, "sequence_lengths", None)
         return lengths if lengths else [data["total_lengths"][i] for i in micro_batch.sample_indices]
+
+    @contextlib.contextmanager
+    def _routing_replay_off(self) -> Iterator[None]:
+        """The reference model routes tokens itself: replaying the engines' routing is for the policy."""
+        replay, self.replay_routing = self.replay_routing, False
+        try:
+            yield
+        finally:
+            self.replay_routing = replay
+
+    def _check_rollout_routing(self, data: dict) -> None:
+        """Refuse `--use-rollout-routing-replay` on data without the engines' routed experts."""
+        if self.replay_routing and data.get("rollout_routed_experts") is None:
+            raise ValueError(
+                "--use-rollout-routing-replay needs every sample's rollout_routed_experts, but the rollout data has "
+                "none; the default rollout records them, a custom generate function must set "
+                "sample.rollout_routed_experts (slime.utils.moe_routing)"
+            )
 
     def _check_rollout_log_probs(self, data: dict) -> None:
         """Refuse `--use-rollout-logprobs` / `--use-tis` on data without the engines' log-probs."""

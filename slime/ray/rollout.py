@@ -66,9 +66,9 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
 
     Returns:
         dict with tokens, response_lengths, rewards, raw_reward, truncated, loss_masks,
-        rollout_log_probs and teacher_log_probs (each when every sample has them) and sample_indices. A
-        sample with `remove_sample` set, or an `unfinished` one (aborted or failed, never scored; reward 0),
-        keeps its place in its group but gets an all-zero loss mask.
+        rollout_log_probs, rollout_routed_experts and teacher_log_probs (each when every sample has them) and
+        sample_indices. A sample with `remove_sample` set, or an `unfinished` one (aborted or failed, never
+        scored; reward 0), keeps its place in its group but gets an all-zero loss mask.
     """
     if args.custom_reward_post_process_path:
         raw_rewards, rewards = load_function(args.custom_reward_post_process_path)(args, samples)
@@ -94,6 +94,8 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
             data["loss_masks"][i] = [0] * s.response_length
     if all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [s.rollout_log_probs for s in samples]
+    if all(s.rollout_routed_experts is not None for s in samples):  # --use-rollout-routing-replay
+        data["rollout_routed_experts"] = [s.rollout_routed_experts for s in samples]
     if all(s.teacher_log_probs is not None for s in samples):  # on-policy distillation (--use-opd)
         data["teacher_log_probs"] = [s.teacher_log_probs for s in samples]
     if getattr(args, "keep_old_actor", False):  # the trainer takes old log-probs from the weights that generated them

@@ -212,7 +212,7 @@ def reset_to_prompt(sample: Sample) -> Sample:
     """A copy of the sample as the data source handed it out: prompt only, no response, no reward, trainable."""
     fresh = copy.deepcopy(sample)
     fresh.tokens, fresh.response, fresh.response_length = [], "", 0
-    fresh.loss_mask = fresh.rollout_log_probs = fresh.teacher_log_probs = None
+    fresh.loss_mask = fresh.rollout_log_probs = fresh.teacher_log_probs = fresh.rollout_routed_experts = None
     fresh.weight_versions, fresh.reward, fresh.status, fresh.remove_sample = [], None, Status.PENDING, False
     return fresh
 

@@ -1,13 +1,19 @@
-"""One token-in/token-out `/generate` request through the router, its answer appended to the sample: the turn
-step shared by the default rollout and the multi-turn helpers."""
+"""One token-in/token-out `/generate` request through the router (straight to an engine under routing replay), its
+answer appended to the sample: the turn step shared by the default rollout and the multi-turn helpers."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
+import time
 from typing import Any
 
-from slime.utils.engine_args import engine_failover_window
-from slime.utils.http_utils import async_post_json
+from transformers import AutoConfig
+
+from slime.utils.engine_args import engine_api_key, engine_failover_window
+from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
+from slime.utils.moe_routing import decode_routed_experts, routing_shape
 from slime.utils.types import Sample, Status
 
 
@@ -18,17 +24,26 @@ async def generate_into_sample(args: argparse.Namespace, sample: Sample, samplin
     status becomes the finish reason's (COMPLETED, TRUNCATED, ABORTED). Failed engines are retried past while
     `--use-fault-tolerance` replaces them (`engine_failover_window`).
 
+    With `--use-rollout-routing-replay` the request asks for the routed experts and goes to an engine directly
+    (sglang-router 0.3.2 drops `return_routed_experts` when it re-serializes a request): the same engine for a
+    prompt's group, as the router's cache-aware policy would pick. The routing of the whole sequence replaces
+    `sample.rollout_routed_experts`.
+
     Returns:
         The text the engine generated.
     """
-    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
-    output = await async_post_json(
-        url,
-        payload,
-        timeout=getattr(args, "sglang_router_request_timeout_secs", None),
-        retry_failures_for=engine_failover_window(args),
-    )
+    replay = getattr(args, "use_rollout_routing_replay", False)
+    if replay:
+        payload["return_routed_experts"] = True
+        output = await _post_to_an_engine(args, sample, payload)
+    else:
+        output = await async_post_json(
+            f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate",
+            payload,
+            timeout=getattr(args, "sglang_router_request_timeout_secs", None),
+            retry_failures_for=engine_failover_window(args),
+        )
     meta = output["meta_info"]
     token_logprobs = meta.get("output_token_logprobs") or []
     new_tokens = [token_id for _, token_id, _ in token_logprobs] or output.get("output_ids", [])
@@ -36,4 +51,50 @@ async def generate_into_sample(args: argparse.Namespace, sample: Sample, samplin
     sample.append_response(new_tokens, output["text"], log_probs)
     sample.weight_versions.append(str(meta.get("weight_version", "")))
     sample.status = Status.from_finish_reason(meta["finish_reason"]["type"])
+    if replay:
+        sample.rollout_routed_experts = _routed_experts(args, meta, len(sample.tokens))
     return output["text"]
+
+
+async def _post_to_an_engine(args: argparse.Namespace, sample: Sample, payload: dict[str, Any]) -> Any:
+    """POST /generate to the engine of the sample's group; while fault tolerance replaces a failed engine, ask
+    again at the (new) URL the rollout manager keeps in `args.rollout_engine_urls`."""
+    give_up_at = time.monotonic() + engine_failover_window(args)
+    while True:
+        urls = getattr(args, "rollout_engine_urls", None) or []
+        if not urls:
+            raise ValueError("--use-rollout-routing-replay: no engine URLs (the rollout manager sets them)")
+        url = urls[hash(sample.group_index if sample.group_index is not None else sample.index) % len(urls)]
+        try:
+            return await async_post_json(
+                f"{url.rstrip('/')}/generate",
+                payload,
+                timeout=getattr(args, "sglang_router_request_timeout_secs", None),
+                headers=bearer_headers(engine_api_key(args)),
+            )
+        except (ConnectionError, HTTPRequestError) as error:
+            if isinstance(error, HTTPRequestError) and error.status < 500 or time.monotonic() >= give_up_at:
+                raise
+            await asyncio.sleep(1.0)
+
+
+@functools.lru_cache(maxsize=4)
+def _routing_shape(hf_checkpoint: str) -> tuple[int, int]:
+    shape = routing_shape(AutoConfig.from_pretrained(hf_checkpoint))
+    if shape is None:
+        raise ValueError(f"--use-rollout-routing-replay: {hf_checkpoint} is not an MoE model")
+    return shape
+
+
+def _routed_experts(args: argparse.Namespace, meta: dict[str, Any], num_tokens: int):
+    """The engine's `[rows, layers, top_k]` routing of the sequence; an engine routes each token but the last."""
+    text = meta.get("routed_experts")
+    if not isinstance(text, str):
+        raise ValueError(
+            "--use-rollout-routing-replay: the engine's answer has no meta_info.routed_experts; launch SGLang "
+            "with --enable-return-routed-experts (slime adds it) and serve an MoE model"
+        )
+    routed = decode_routed_experts(text, *_routing_shape(args.hf_checkpoint))
+    if routed.shape[0] > num_tokens:
+        raise ValueError(f"the engine routed {routed.shape[0]} tokens of a sequence of {num_tokens}")
+    return routed

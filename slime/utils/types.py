@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+import torch
+
 
 class Status(str, Enum):
     """Where a sample is in its life. Values mirror SGLang's finish reasons where they overlap."""
@@ -39,6 +41,8 @@ class Sample:
         reward: Scalar reward, or a dict of rewards picked from with `--reward-key`.
         loss_mask: One entry per response token; 0 excludes the token from the loss (e.g. tool output).
         rollout_log_probs: Log-probs of the response tokens under the engine that sampled them.
+        rollout_routed_experts: MoE routing replay (`--use-rollout-routing-replay`): the experts the engine routed
+            each token to, `[len(tokens) - 1, num_hidden_layers, top_k]` (slime.utils.moe_routing).
         weight_versions: Engine weight versions seen while generating (several for partial rollouts).
         status: See `Status`.
         metadata: Free-form per-sample data from the dataset (`--metadata-key`) or user code.
@@ -65,6 +69,7 @@ class Sample:
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
+    rollout_routed_experts: torch.Tensor | None = None
     weight_versions: list[str] = field(default_factory=list)
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from slime.backends.cpu_engine.protocol import GenerationRequest
+from slime.utils.moe_routing import HFRouters
 
 # Dropping all-padding cache columns costs a copy; only do it once this many pile up.
 _TRIM_MIN_COLUMNS = 64
@@ -62,11 +63,14 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 @torch.no_grad()
-def prefill(model, requests: list[GenerationRequest], pad_id: int) -> tuple[RunningBatch, torch.Tensor]:
+def prefill(
+    model, requests: list[GenerationRequest], pad_id: int, routers: HFRouters | None = None
+) -> tuple[RunningBatch, torch.Tensor]:
     """Run the prompts of `requests` through the model in one left-padded forward.
 
     Identical prompts (GRPO's n samples of one prompt arrive together) are computed once and
-    their cache rows copied, so prefill costs one pass per distinct prompt.
+    their cache rows copied, so prefill costs one pass per distinct prompt. With `routers`, requests
+    that asked for it get their prompt's routed experts appended to `routed_experts`.
 
     Returns:
         (batch, logits): `batch.last_tokens` is still unset (zeros) until the caller samples from
@@ -87,6 +91,12 @@ def prefill(model, requests: list[GenerationRequest], pad_id: int) -> tuple[Runn
         **{_cache_argument(type(model)): cache},
     )
     logits = out.logits[:, -1, :]
+    if routers is not None and any(r.return_routed_experts for r in requests):
+        routed = routers.take()
+        routed = routed.view(ids.shape[0], ids.shape[1], *routed.shape[1:])
+        for request, row in zip(requests, source_rows.tolist()):
+            if request.return_routed_experts:  # the prompt sits at the row's end (left padding)
+                request.routed_experts.append(routed[row, ids.shape[1] - len(request.input_ids) :].clone())
     if len(distinct) < len(requests):
         cache.batch_select_indices(source_rows)
         mask, logits = mask[source_rows], logits[source_rows]
@@ -101,8 +111,11 @@ def prefill(model, requests: list[GenerationRequest], pad_id: int) -> tuple[Runn
 
 
 @torch.no_grad()
-def decode(model, batch: RunningBatch) -> torch.Tensor:
-    """Feed every row's last token, extend the cache by one column, return (rows, vocab) logits."""
+def decode(model, batch: RunningBatch, routers: HFRouters | None = None) -> torch.Tensor:
+    """Feed every row's last token, extend the cache by one column, return (rows, vocab) logits.
+
+    With `routers`, requests that asked for it get the fed token's routed experts appended to `routed_experts`.
+    """
     mask = torch.cat([batch.attention_mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=-1)
     out = model(
         input_ids=batch.last_tokens.unsqueeze(-1),
@@ -113,6 +126,11 @@ def decode(model, batch: RunningBatch) -> torch.Tensor:
     )
     batch.attention_mask = mask
     batch.next_positions = batch.next_positions + 1
+    if routers is not None and any(r.return_routed_experts for r in batch.requests):
+        routed = routers.take()
+        for row, request in enumerate(batch.requests):
+            if request.return_routed_experts:
+                request.routed_experts.append(routed[row : row + 1].clone())
     return out.logits[:, -1, :]
 
 

@@ -34,6 +34,7 @@ from slime.backends.cpu_engine import batch as batching
 from slime.backends.cpu_engine import weights
 from slime.backends.cpu_engine.protocol import GenerationRequest, RequestError
 from slime.backends.cpu_engine.sampling import sample_next_tokens
+from slime.utils.moe_routing import HFRouters, routing_shape
 from slime.utils.weight_transport import MappedSegments
 
 logger = logging.getLogger(__name__)
@@ -110,8 +111,10 @@ class CpuEngine:
             t for t in (self.tokenizer.pad_token_id, *sorted(self.eos_token_ids), 0) if t is not None
         )
         self.weight_version = "default"
+        # MoE models: the routers' choices, for requests with return_routed_experts
+        self.routing_shape = routing_shape(config)
+        self.routers = HFRouters(self.model, self.routing_shape[0]) if self.routing_shape else None
 
-        self._targets = weights.weight_targets(self.model)
         # A file or folder that holds exactly the live weights, reloaded by resume; None once they drift.
         on_disk = weights.safetensors_names(self.model_path)
         self._weights_source: str | None = (
@@ -132,6 +135,10 @@ class CpuEngine:
         self._batch: batching.RunningBatch | None = None
         self._thread = threading.Thread(target=self._worker, name="cpu-engine-worker", daemon=True)
         self._thread.start()
+
+    @property
+    def _targets(self) -> dict[str, torch.Tensor]:
+        return weights.weight_targets(self.model)
 
     # ----- called from any thread -------------------------------------------------------------
 
@@ -159,6 +166,11 @@ class CpuEngine:
                     "the engine's weights are released (/release_memory_occupation); "
                     "call /resume_memory_occupation before generating",
                     status=503,
+                )
+            if self.routers is None and any(r.return_routed_experts for r in requests):
+                raise RequestError(
+                    "return_routed_experts: this model has no MoE router to report; drop the field "
+                    "(and --use-rollout-routing-replay) for dense models"
                 )
             taken = [r.rid for r in requests if r.rid in self._active]
             if taken:
@@ -396,14 +408,14 @@ class CpuEngine:
                 generating.append(request)
         if not generating:
             return
-        joining, logits = batching.prefill(self.model, generating, self.pad_token_id)
+        joining, logits = batching.prefill(self.model, generating, self.pad_token_id, self.routers)
         joining = self._advance(joining, logits)
         if joining is None:
             return
         self._set_batch(joining if self._batch is None else batching.merge(self.model, self._batch, joining))
 
     def _decode_step(self) -> None:
-        logits = batching.decode(self.model, self._batch)
+        logits = batching.decode(self.model, self._batch, self.routers)
         self._set_batch(self._advance(self._batch, logits))
 
     def _advance(self, batch: batching.RunningBatch, logits: torch.Tensor) -> batching.RunningBatch | None:

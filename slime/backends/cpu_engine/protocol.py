@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from slime.backends.cpu_engine.sampling import SamplingParams
+from slime.utils.moe_routing import encode_routed_experts
 
 
 class RequestError(ValueError):
@@ -43,6 +44,7 @@ class GenerationRequest:
         return_text_in_logprobs: Put each token's text in the third slot of the log-prob triples.
         stop_str_window: How many trailing output tokens to decode when looking for stop strings.
         max_new_tokens: `params.max_new_tokens`, capped so prompt + output fits the context.
+        return_routed_experts: Report the experts every token was routed to (MoE models; SGLang's R3 field).
     """
 
     rid: str
@@ -53,11 +55,14 @@ class GenerationRequest:
     return_text_in_logprobs: bool = False
     stop_str_window: int = 0
     max_new_tokens: int = 0
+    return_routed_experts: bool = False
     arrival_time: float = field(default_factory=time.time)
     # Filled in by the engine.
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
+    # [tokens, num_hidden_layers, top_k] pieces, one per forward the request went through
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
     weight_version: str = ""
@@ -194,7 +199,6 @@ _UNSUPPORTED_FIELDS = {
     "custom_logit_processor",
     "session_params",
     "return_hidden_states",
-    "return_routed_experts",
     "return_entropy",
     "top_logprobs_num",
     "token_ids_logprob",
@@ -232,6 +236,7 @@ def parse_generate_request(
     sampling_params = _per_item(body, "sampling_params", count, is_batch, None, dict)
     return_logprob = _per_item(body, "return_logprob", count, is_batch, False, bool)
     logprob_start_len = _per_item(body, "logprob_start_len", count, is_batch, -1, int)
+    return_routed = _per_item(body, "return_routed_experts", count, is_batch, False, bool)
     return_text = body.get("return_text_in_logprobs") or False
     if not isinstance(return_text, bool):
         raise RequestError(f"return_text_in_logprobs must be true or false, got {return_text!r}")
@@ -269,6 +274,7 @@ def parse_generate_request(
                 # A couple of extra tokens: a token may decode to half a character.
                 stop_str_window=window + 2 if params.stop else 0,
                 max_new_tokens=room if params.max_new_tokens is None else params.max_new_tokens,
+                return_routed_experts=bool(return_routed[i]),
             )
         )
     return requests, is_batch
@@ -368,4 +374,8 @@ def build_generate_response(request: GenerationRequest, tokenizer) -> dict[str, 
                 [request.input_logprobs[pos], request.input_ids[pos], token_text(request.input_ids[pos])]
                 for pos in positions
             ]
+    if request.return_routed_experts:
+        # SGLang's layout: one row per token that went through the model (prompt + output - 1)
+        routed = torch.cat(request.routed_experts) if request.routed_experts else torch.zeros(0, dtype=torch.int32)
+        meta_info["routed_experts"] = encode_routed_experts(routed)
     return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta_info}

@@ -42,9 +42,27 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, token
 
 
 def weight_targets(model) -> dict[str, torch.Tensor]:
-    """Every name a weight update may use, mapped to the live tensor (tied aliases included)."""
+    """Every name a weight update may use, mapped to the live tensor (tied aliases included).
+
+    transformers 5 fuses an MoE layer's experts into 3-D `experts.gate_up_proj` / `experts.down_proj` tensors, while
+    hub checkpoints and Megatron's HF export name them one expert at a time (`experts.{E}.gate_proj.weight`, ...):
+    those names map to views into the fused tensors. Views go stale when a parameter's data is swapped (release,
+    adopted segments), so build the targets afresh for each update.
+    """
     targets = dict(model.state_dict(keep_vars=True))
     targets.update(model.named_parameters(remove_duplicate=False))
+    for name, tensor in list(targets.items()):
+        prefix, _, kind = name.rpartition(".")
+        if not prefix.endswith(".experts") or tensor.dim() != 3 or kind not in ("gate_up_proj", "down_proj"):
+            continue
+        data = tensor.detach()
+        for expert in range(data.shape[0]):
+            if kind == "gate_up_proj":  # gate rows, then up rows
+                half = data.shape[1] // 2
+                targets[f"{prefix}.{expert}.gate_proj.weight"] = data[expert, :half]
+                targets[f"{prefix}.{expert}.up_proj.weight"] = data[expert, half:]
+            else:
+                targets[f"{prefix}.{expert}.down_proj.weight"] = data[expert]
     return targets
 
 

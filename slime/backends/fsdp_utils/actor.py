@@ -47,6 +47,7 @@ from slime.backends.train_actor import TrainRayActor, Weights
 from slime.utils.arguments import FSDP_ATTENTION_BACKENDS
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
+from slime.utils.moe_routing import HFRouters
 from slime.utils.ppo_utils import compute_log_probs
 from slime.utils.weight_sync import Bucket
 
@@ -87,6 +88,9 @@ class FSDPTrainRayActor(TrainRayActor):
                 model, args.only_train_params_name_list, args.freeze_params_name_list
             )
             logger.info("rank %d: training %d of the model's parameter tensors", self.rank, len(trainable))
+        # --use-rollout-routing-replay: the actor's MoE routers take the engines' experts (`_response_logits`)
+        replay = self.role == "actor" and getattr(args, "use_rollout_routing_replay", False)
+        self.routers = HFRouters(model, model.config.num_hidden_layers) if replay else None
         self.model, _ = shard_model(model, self.dp_size, bf16=getattr(args, "bf16", False))
         self.optimizer = build_optimizer(args, self.model)
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
@@ -138,6 +142,7 @@ class FSDPTrainRayActor(TrainRayActor):
             max_tokens=self.args.max_tokens_per_gpu if dynamic else None,
             device=self.device,
             attn_implementation=self.attn_implementation,
+            routed_experts=data.get("rollout_routed_experts") if self.routers is not None else None,
         )
 
     def _probe_micro_batches(self, probe: list[int]) -> Steps:
@@ -149,7 +154,7 @@ class FSDPTrainRayActor(TrainRayActor):
         temperature = temperature or self.args.rollout_temperature
 
         def log_probs(micro_batch: PackedMicroBatch) -> torch.Tensor:
-            return compute_log_probs(response_logits(self.model, micro_batch, temperature), micro_batch.target_tokens)
+            return compute_log_probs(self._response_logits(micro_batch, temperature), micro_batch.target_tokens)
 
         return self._forward_per_sample(steps, num_samples, log_probs)
 
@@ -157,6 +162,16 @@ class FSDPTrainRayActor(TrainRayActor):
         return self._forward_per_sample(
             steps, num_samples, lambda micro_batch: response_values(self.model, micro_batch)
         )
+
+    def _response_logits(self, micro_batch: PackedMicroBatch, temperature: float) -> torch.Tensor:
+        """`response_logits`, the routers replaying the micro-batch's routing when `replay_routing` is on.
+
+        The routing stays set after the forward: gradient checkpointing reruns the routers in the backward.
+        """
+        if self.routers is not None:
+            routing = micro_batch.routed_experts if self.replay_routing else None
+            self.routers.replay = None if routing is None else routing.flatten(0, 1)
+        return response_logits(self.model, micro_batch, temperature)
 
     @torch.no_grad()
     def _forward_per_sample(
@@ -211,7 +226,7 @@ class FSDPTrainRayActor(TrainRayActor):
             if self.role == "critic":
                 output = response_values(self.model, micro_batch)
             else:
-                output = response_logits(self.model, micro_batch, self.args.rollout_temperature)
+                output = self._response_logits(micro_batch, self.args.rollout_temperature)
             if fill:
                 with torch.no_grad():
                     flat = compute_log_probs(output, micro_batch.target_tokens)

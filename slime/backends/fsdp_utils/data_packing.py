@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from slime.utils.micro_batches import group_samples, plan_step_micro_batches, split_prompt_response, step_slices
+from slime.utils.moe_routing import filler_rows, routing_rows
 
 # Attention kernels that take packed sequences through `position_ids` (variable-length attention).
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
@@ -54,6 +55,7 @@ class PackedMicroBatch:
         weight: 1.0, or 0.0 for a padding micro-batch that only keeps collectives aligned.
         sequence_lengths: Tokens of each sequence the forward attends within, padding left out (a sample; or a
             prompt with its responses): what the model FLOPs are counted over.
+        routed_experts: `[R, L, num_layers, top_k]` experts to route each position to (MoE routing replay), or None.
     """
 
     @property
@@ -71,6 +73,7 @@ class PackedMicroBatch:
     response_lengths: list[int]
     weight: float = 1.0
     sequence_lengths: list[int] = field(default_factory=list)
+    routed_experts: torch.Tensor | None = None
 
 
 def pack_micro_batch(
@@ -79,6 +82,7 @@ def pack_micro_batch(
     sample_indices: list[int],
     device: torch.device | str = "cpu",
     weight: float = 1.0,
+    routed_experts: list[torch.Tensor] | None = None,
 ) -> PackedMicroBatch:
     """Concatenate the given samples into one row with restarting positions (variable-length attention).
 
@@ -88,6 +92,7 @@ def pack_micro_batch(
         sample_indices: Which samples (shard positions) to pack.
         device: Where the tensors go.
         weight: Loss weight of the micro-batch (0.0 for padding).
+        routed_experts: Every sample's engine routing (`Sample.rollout_routed_experts`), to replay; or None.
 
     Returns:
         The packed micro-batch.
@@ -113,6 +118,9 @@ def pack_micro_batch(
         response_lengths=lengths,
         weight=weight,
         sequence_lengths=[len(tokens[index]) for index in sample_indices],
+        routed_experts=None
+        if routed_experts is None
+        else torch.cat([routing_rows(routed_experts[i], len(tokens[i])) for i in sample_indices])[None].to(device),
     )
 
 
@@ -123,6 +131,7 @@ def pack_shared_prompt_rows(
     device: torch.device | str = "cpu",
     weight: float = 1.0,
     additive_mask: bool = False,
+    routed_experts: list[torch.Tensor] | None = None,
 ) -> PackedMicroBatch:
     """Lay the given samples out as one row per distinct prompt: the prompt once, then its responses.
 
@@ -133,6 +142,8 @@ def pack_shared_prompt_rows(
         device: Where the tensors go.
         weight: Loss weight of the micro-batch (0.0 for padding).
         additive_mask: Give the mask as 0 / -inf floats (eager attention) instead of booleans (sdpa).
+        routed_experts: Every sample's engine routing (`Sample.rollout_routed_experts`), to replay; or None. A
+            shared prompt takes the routing of its first sample.
 
     Returns:
         The micro-batch; its `sample_indices` are grouped by prompt, in order of first appearance.
@@ -147,12 +158,23 @@ def pack_shared_prompt_rows(
     position_ids = torch.zeros(len(rows), width, dtype=torch.long)
     # segment 0 is the prompt, segment k the k-th response; -1 marks padding
     segments = torch.full((len(rows), width), -1, dtype=torch.long)
+    routing = None
+    if routed_experts is not None:
+        _, num_layers, top_k = routed_experts[sample_indices[0]].shape
+        routing = filler_rows(len(rows) * width, num_layers, top_k).view(len(rows), width, num_layers, top_k)
     ordered, targets, logit_rows, logit_positions, lengths = [], [], [], [], []
     for row, (prompt, members) in enumerate(rows.items()):
         ids, positions, segment = list(prompt), list(range(len(prompt))), [0] * len(prompt)
+        if routing is not None:
+            routing[row, : len(prompt)] = routing_rows(routed_experts[members[0]], len(tokens[members[0]]))[
+                : len(prompt)
+            ]
         for k, index in enumerate(members, start=1):
             response = tokens[index][len(prompt) :]
             start = len(ids)
+            if routing is not None:
+                own = routing_rows(routed_experts[index], len(tokens[index]))
+                routing[row, start : start + len(response)] = own[len(prompt) :]
             ids += response
             positions += range(len(prompt), len(prompt) + len(response))
             segment += [k] * len(response)
@@ -185,6 +207,7 @@ def pack_shared_prompt_rows(
         response_lengths=lengths,
         weight=weight,
         sequence_lengths=[len(prompt) + sum(response_lengths[i] for i in members) for prompt, members in rows.items()],
+        routed_experts=None if routing is None else routing.to(device),
     )
 
 
@@ -245,6 +268,7 @@ def build_step_micro_batches(
     device: torch.device | str = "cpu",
     process_group: dist.ProcessGroup | None = None,
     attn_implementation: str = "sdpa",
+    routed_experts: list[torch.Tensor] | None = None,
 ) -> list[list[PackedMicroBatch]]:
     """Micro-batches of every optimizer step of this rank's shard, aligned across ranks.
 
@@ -257,6 +281,7 @@ def build_step_micro_batches(
         device: Where the tensors go.
         process_group: The data-parallel group used to align micro-batch counts.
         attn_implementation: The model's `config._attn_implementation`; picks the layout (module docstring).
+        routed_experts: Each sample's engine routing, laid out with the tokens for routing replay; or None.
 
     Returns:
         For each step, its micro-batches; padding ones (weight 0) repeat the step's first micro-batch.
@@ -266,8 +291,10 @@ def build_step_micro_batches(
 
     def layout(group: list[int], weight: float = 1.0) -> PackedMicroBatch:
         if not shared:
-            return pack_micro_batch(tokens, response_lengths, group, device, weight)
-        return pack_shared_prompt_rows(tokens, response_lengths, group, device, weight, additive_mask=additive)
+            return pack_micro_batch(tokens, response_lengths, group, device, weight, routed_experts)
+        return pack_shared_prompt_rows(
+            tokens, response_lengths, group, device, weight, additive_mask=additive, routed_experts=routed_experts
+        )
 
     if shared and max_tokens is not None:
         plan = plan_shared_prompt_micro_batches(tokens, response_lengths, num_steps, max_tokens)

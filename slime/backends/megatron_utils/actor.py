@@ -46,6 +46,7 @@ from slime.backends.megatron_utils.data import PackedMicroBatch, build_step_micr
 from slime.backends.megatron_utils.loss import LOSS_FUNCTIONS, ResponseOutputs, log_probs_and_entropy
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_model_parallel_from_args
 from slime.backends.megatron_utils.parallel import named_weights
+from slime.backends.megatron_utils.routing_replay import local_routing, moe_routers, set_replay
 from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.backends.megatron_utils.update_weight import hf_weight_buckets
 from slime.backends.storage_offload import release_storages, restore_storages
@@ -130,6 +131,8 @@ class MegatronTrainRayActor(TrainRayActor):
         from megatron.core import parallel_state
 
         self.model_args = megatron_model_args(args)
+        # --use-rollout-routing-replay: the actor's routers can take the engines' experts (`_model_forward`)
+        self.model_args.moe_enable_routing_replay = self.replay_routing
         initialize_model_parallel_from_args(self.model_args)
         self.mpu = parallel_state
         self.family = model_family(self.model_args)
@@ -146,6 +149,9 @@ class MegatronTrainRayActor(TrainRayActor):
         self.model = build_model(self.model_args, role=self.role)
         for chunk in self.model:
             unwrap_model(chunk).config.variable_seq_lengths = True  # packed rows differ in length
+        self.routers = [moe_routers(chunk) for chunk in self.model]
+        if self.replay_routing and not any(self.routers):
+            raise ValueError("--use-rollout-routing-replay: the model has no MoE layer; drop the flag for dense models")
         self.optimizer = build_optimizer(self.model_args, self.model)
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
 
@@ -214,6 +220,7 @@ class MegatronTrainRayActor(TrainRayActor):
             pad_multiple=self.tp_size * sequence_multiple,
             device=self.device,
             sequence_pad_multiple=sequence_multiple,
+            routed_experts=data.get("rollout_routed_experts") if self.replay_routing else None,
         )
 
     def _probe_micro_batches(self, probe: list[int]) -> Steps:
@@ -221,6 +228,11 @@ class MegatronTrainRayActor(TrainRayActor):
 
     # ---- forward through Megatron's schedule -----------------------------------------------------
     def _model_forward(self, chunk, micro_batch: PackedMicroBatch) -> torch.Tensor:
+        routers = self.routers[self.model.index(chunk)]
+        if routers:  # the routing stays set after the forward: activation recompute reruns the routers
+            replay = self.replay_routing and micro_batch.routed_experts is not None
+            bounds = micro_batch.cu_seqlens.tolist()
+            set_replay(routers, local_routing(micro_batch.routed_experts, bounds, self.mpu) if replay else None)
         input_ids, position_ids = micro_batch.input_ids, micro_batch.position_ids
         if self.cp_size > 1:
             bounds = micro_batch.cu_seqlens.tolist()

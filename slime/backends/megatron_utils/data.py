@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from slime.utils.micro_batches import plan_step_micro_batches, split_prompt_response
+from slime.utils.moe_routing import filler_rows, routing_rows
 
 
 @dataclass
@@ -39,6 +40,7 @@ class PackedMicroBatch:
         logit_positions: `[M]` row positions whose logits predict the response tokens.
         target_tokens: `[M]` the response tokens in sample order.
         response_lengths: Response length of each sample (splits the `M` axis).
+        routed_experts: `[1, N, num_layers, top_k]` experts to route each position to (MoE routing replay), or None.
     """
 
     sample_indices: list[int]
@@ -49,6 +51,7 @@ class PackedMicroBatch:
     logit_positions: torch.Tensor
     target_tokens: torch.Tensor
     response_lengths: list[int]
+    routed_experts: torch.Tensor | None = None
 
     def attention_mask(self) -> torch.Tensor:
         """`[1, 1, N, N]` bool mask for the local attention: True where a query may NOT look."""
@@ -80,6 +83,7 @@ def pack_micro_batch(
     pad_token_id: int = 0,
     device: torch.device | str = "cpu",
     sequence_pad_multiple: int = 1,
+    routed_experts: list[torch.Tensor] | None = None,
 ) -> PackedMicroBatch:
     """Concatenate samples into one row; pad the row's end to a multiple of `pad_multiple`.
 
@@ -92,8 +96,10 @@ def pack_micro_batch(
         device: Where the tensors go.
         sequence_pad_multiple: Pad every sequence at its end to this multiple (2 x CP size for
             context parallelism; causal attention keeps the padding invisible to the real tokens).
+        routed_experts: Every sample's engine routing (`Sample.rollout_routed_experts`), to replay; or None.
     """
     ids: list[int] = []
+    routing: list[torch.Tensor] = []
     positions: list[int] = []
     logit_positions: list[int] = []
     boundaries = [0]
@@ -106,6 +112,8 @@ def pack_micro_batch(
         positions.extend(range(total))
         logit_positions.extend(range(offset + total - response - 1, offset + total - 1))
         sequence_padding = -total % sequence_pad_multiple
+        if routed_experts is not None:
+            routing.append(routing_rows(routed_experts[index], total + sequence_padding))
         ids.extend([pad_token_id] * sequence_padding)
         positions.extend(range(total, total + sequence_padding))
         boundaries.append(len(ids))
@@ -119,6 +127,9 @@ def pack_micro_batch(
         boundaries.append(len(ids))
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     logit_index = torch.tensor(logit_positions, dtype=torch.long, device=device)
+    if routing:
+        _, num_layers, top_k = routing[0].shape
+        routing.append(filler_rows(len(ids) - boundaries[len(routing)], num_layers, top_k))  # the row's end padding
     return PackedMicroBatch(
         sample_indices=list(sample_indices),
         input_ids=input_ids,
@@ -128,6 +139,7 @@ def pack_micro_batch(
         logit_positions=logit_index,
         target_tokens=input_ids[0, logit_index + 1],
         response_lengths=lengths,
+        routed_experts=torch.cat(routing)[None].to(device) if routing else None,
     )
 
 
@@ -140,8 +152,10 @@ def build_step_micro_batches(
     pad_multiple: int = 1,
     device: torch.device | str = "cpu",
     sequence_pad_multiple: int = 1,
+    routed_experts: list[torch.Tensor] | None = None,
 ) -> list[list[PackedMicroBatch]]:
-    """Packed micro-batches of every optimizer step of this data-parallel shard.
+    """Packed micro-batches of every optimizer step of this data-parallel shard (`routed_experts`: every
+    sample's engine routing, laid out with the tokens for routing replay; or None).
 
     Data-parallel ranks may run different numbers of micro-batches: Megatron's DDP reduces
     gradients once per step (`finalize_model_grads`), not per forward.
@@ -153,7 +167,9 @@ def build_step_micro_batches(
     for groups in plan_step_micro_batches(tokens, num_steps, micro_batch_size, max_tokens):
         steps.append(
             [
-                pack_micro_batch(tokens, response_lengths, g, pad_multiple, 0, device, sequence_pad_multiple)
+                pack_micro_batch(
+                    tokens, response_lengths, g, pad_multiple, 0, device, sequence_pad_multiple, routed_experts
+                )
                 for g in groups
             ]
         )

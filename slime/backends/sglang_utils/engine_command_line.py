@@ -114,8 +114,9 @@ def build_sglang_server_args(
     """Arguments for `python -m sglang.launch_server` for one engine.
 
     Args:
-        args: slime's parsed arguments; reads `sglang_server_args` (dict of user `--sglang-*` flags) and
-            `offload_rollout` (adds `--enable-memory-saver` so weights and KV cache can be released).
+        args: slime's parsed arguments; reads `sglang_server_args` (dict of user `--sglang-*` flags),
+            `offload_rollout` (adds `--enable-memory-saver` so weights and KV cache can be released) and
+            `use_rollout_routing_replay` (adds `--enable-return-routed-experts`).
         model_path: HF checkpoint directory the engine loads.
         host: Address the HTTP server binds.
         port: HTTP port.
@@ -149,6 +150,7 @@ def build_sglang_server_args(
         "nnodes": nnodes,
         "node_rank": node_rank,
         "enable_memory_saver": bool(getattr(args, "offload_rollout", False)),
+        "enable_return_routed_experts": bool(getattr(args, "use_rollout_routing_replay", False)),
     }
     parser = sglang_cli_parser()
     return options_to_cli_args(slime_options) + options_to_cli_args(drop_parser_defaults(user_options, parser), parser)

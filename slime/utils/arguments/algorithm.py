@@ -114,7 +114,10 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--opsm-delta", type=float, default=1e-4, help="OPSM threshold.")
     group.add_argument("--use-routing-replay", action="store_true", help="MoE: replay the old routing in training.")
     group.add_argument(
-        "--use-rollout-routing-replay", action="store_true", help="MoE: replay the engines' routed experts."
+        "--use-rollout-routing-replay",
+        action="store_true",
+        help="MoE (R3): engines return the experts each token was routed to and the actor's forwards (log-probs, "
+        "training; not the reference) route the same way.",
     )
     group.add_argument("--use-rollout-entropy", action="store_true", help="Log entropy of the rollout policy.")
     group.add_argument("--ref-load", default=None, help="Reference model checkpoint (default: the actor's start).")

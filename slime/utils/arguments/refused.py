@@ -127,8 +127,10 @@ REFUSED_FLAGS: dict[str, Refusal] = {
         "off-policy sequence masking (OPSM) is not implemented", "bound off-policy updates with --use-tis"
     ),
     "opsm_delta": Refusal("only --use-opsm reads it, and OPSM is not implemented", "drop it"),
-    "use_routing_replay": Refusal("MoE routing replay is not implemented", "drop it"),
-    "use_rollout_routing_replay": Refusal("MoE rollout routing replay (R3) is not implemented", "drop it"),
+    "use_routing_replay": Refusal(
+        "replaying the trainer's own old-policy routing is not implemented",
+        "replay the engines' routing with --use-rollout-routing-replay (R3)",
+    ),
     "use_rollout_entropy": Refusal(
         "the engines' entropy is not recorded", "drop it (the trainer's entropy is in the train metrics)"
     ),

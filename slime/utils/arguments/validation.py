@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -20,6 +21,7 @@ from slime.utils.arguments.checkpoint import _validate_output_folders
 from slime.utils.arguments.errors import _fail
 from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.utils.eval_config import load_eval_config
+from slime.utils.moe_routing import routing_shape
 
 # One logger for the whole parser, named as before the split into modules (log lines show the name).
 logger = logging.getLogger(__package__)
@@ -386,8 +388,34 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_engine_limits(args)
     _validate_flag_uses(args)
     _validate_agent(args)
+    _validate_routing_replay(args)
     _validate_fully_async(args)
     return args
+
+
+def _validate_routing_replay(args: argparse.Namespace) -> None:
+    if not args.use_rollout_routing_replay:
+        return
+    if args.agent_function_path:
+        _fail(
+            "--use-rollout-routing-replay with --agent-function-path: the agent's OpenAI endpoint does not return "
+            "the experts each token was routed to; use the default rollout or a --custom-generate-function-path "
+            "that sets Sample.rollout_routed_experts."
+        )
+    if args.hf_checkpoint and os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
+        with open(os.path.join(args.hf_checkpoint, "config.json")) as f:
+            if routing_shape(json.load(f)) is None:
+                _fail(
+                    f"--use-rollout-routing-replay: --hf-checkpoint {args.hf_checkpoint} is a dense model (its "
+                    "config.json names no experts); routing replay is for MoE models, drop the flag."
+                )
+    recompute = getattr(args, "recompute_granularity", None) or getattr(args, "recompute_activations", False)
+    if args.train_backend == "megatron" and recompute and getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        _fail(
+            "--use-rollout-routing-replay with activation recompute and --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size}: a recomputed layer would replay another micro-batch's routing; "
+            "drop the recompute flags or use --pipeline-model-parallel-size 1."
+        )
 
 
 def _validate_agent(args: argparse.Namespace) -> None:
