@@ -151,7 +151,10 @@ class MegatronTrainRayActor(TrainRayActor):
             unwrap_model(chunk).config.variable_seq_lengths = True  # packed rows differ in length
         self.routers = [moe_routers(chunk) for chunk in self.model]
         if self.replay_routing and not any(self.routers):
-            raise ValueError("--use-rollout-routing-replay: the model has no MoE layer; drop the flag for dense models")
+            raise ValueError(
+                "--use-rollout-routing-replay: no MoE router can replay; the model is dense (drop the flag) or "
+                "megatron-core predates RouterReplay (0.16 has it)"
+            )
         self.optimizer = build_optimizer(self.model_args, self.model)
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
 

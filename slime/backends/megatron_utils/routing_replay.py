@@ -19,7 +19,7 @@ def moe_routers(chunk: torch.nn.Module) -> list[torch.nn.Module]:
     """The chunk's top-k routers that can replay (built with `moe_enable_routing_replay`)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    return [m for m in chunk.modules() if isinstance(m, TopKRouter) and m.router_replay is not None]
+    return [m for m in chunk.modules() if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None]
 
 
 def local_routing(routing: torch.Tensor, cu_seqlens: list[int], mpu) -> torch.Tensor:
