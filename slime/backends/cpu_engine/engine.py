@@ -112,8 +112,7 @@ class CpuEngine:
         )
         self.weight_version = "default"
         # MoE models: the routers' choices, for requests with return_routed_experts
-        self.routing_shape = routing_shape(config)
-        self.routers = HFRouters(self.model, self.routing_shape[0]) if self.routing_shape else None
+        self.routers = HFRouters(self.model, config.num_hidden_layers) if routing_shape(config) else None
 
         # A file or folder that holds exactly the live weights, reloaded by resume; None once they drift.
         on_disk = weights.safetensors_names(self.model_path)
@@ -135,10 +134,6 @@ class CpuEngine:
         self._batch: batching.RunningBatch | None = None
         self._thread = threading.Thread(target=self._worker, name="cpu-engine-worker", daemon=True)
         self._thread.start()
-
-    @property
-    def _targets(self) -> dict[str, torch.Tensor]:
-        return weights.weight_targets(self.model)
 
     # ----- called from any thread -------------------------------------------------------------
 
@@ -256,7 +251,7 @@ class CpuEngine:
 
         def run() -> str:
             self._require_weights("update weights")
-            weights.copy_named_tensors(self._targets, named_tensors)
+            weights.copy_named_tensors(weights.weight_targets(self.model), named_tensors)
             self._weights_source = None
             return self._bump_version(weight_version)
 
@@ -280,9 +275,9 @@ class CpuEngine:
 
         def run() -> tuple[str, list[str]]:
             self._require_weights("update weights")
-            weights.adopt_named_tensors(self._targets, named_tensors())
+            weights.adopt_named_tensors(weights.weight_targets(self.model), named_tensors())
             self._weights_source = None
-            return self._bump_version(weight_version), segments.holding(self._targets.values())
+            return self._bump_version(weight_version), segments.holding(self.model.state_dict(keep_vars=True).values())
 
         return self.call(run)
 
@@ -299,7 +294,7 @@ class CpuEngine:
             if self.released:
                 weights.drain_named_tensors(layout, receive)
             self._require_weights("update weights")
-            weights.receive_named_tensors(self._targets, layout, receive)
+            weights.receive_named_tensors(weights.weight_targets(self.model), layout, receive)
             self._weights_source = None
             return self._bump_version(weight_version)
 
@@ -310,7 +305,7 @@ class CpuEngine:
 
         def run() -> str:
             self._require_weights("update weights")
-            weights.load_safetensors_folder(self._targets, model_path)
+            weights.load_safetensors_folder(weights.weight_targets(self.model), model_path)
             # The folder may be rewritten or deleted later; a release snapshots the live weights instead.
             self._weights_source = None
             return self._bump_version(weight_version)
@@ -537,7 +532,7 @@ class CpuEngine:
             return
         weights.allocate_parameters(self.model, self._released_layout)
         try:
-            loaded = weights.load_safetensors_folder(self._targets, self._weights_source)
+            loaded = weights.load_safetensors_folder(weights.weight_targets(self.model), self._weights_source)
             missing = weights.parameters_missing_from(self.model, loaded)
             if missing:
                 raise RuntimeError(f"{self._weights_source} lacks parameters {missing[:8]}; the weights stay released")

@@ -553,6 +553,17 @@ def _before_update(engine: CpuEngine, body: dict) -> str | None:
     return None if version is None else str(version)
 
 
+def _per_payload(payloads: list, read: Callable[[Any], Any], error: type[Exception]) -> list:
+    """`read(payload)` of every `serialized_named_tensors` entry; a ValueError becomes `error` naming the entry."""
+    results = []
+    for i, payload in enumerate(payloads):
+        try:
+            results.append(read(payload))
+        except ValueError as problem:
+            raise error(f"serialized_named_tensors[{i}]: {problem}") from None
+    return results
+
+
 @_control
 async def update_weights_from_tensor(request: web.Request) -> dict:
     engine = request.app[_ENGINE]
@@ -573,26 +584,15 @@ async def update_weights_from_tensor(request: web.Request) -> dict:
     if shared:
 
         def parse() -> list[weight_transport.SharedPayload]:
-            parsed = []
-            for i, payload in enumerate(payloads):
-                try:
-                    parsed.append(weight_transport.parse_shared_payload(payload))
-                except ValueError as error:
-                    raise RequestError(f"serialized_named_tensors[{i}]: {error}") from None
-            return parsed
+            return _per_payload(payloads, weight_transport.parse_shared_payload, RequestError)
 
         small = sum(len(payload) for payload in payloads) <= PARSE_OFF_LOOP_BYTES
         parsed = parse() if small else await asyncio.to_thread(parse)
         segments = request.app[_STATE]["segments"]
 
         def named_tensors() -> list[tuple[str, torch.Tensor]]:
-            named = []
-            for i, payload in enumerate(parsed):
-                try:
-                    named.extend(segments.named_tensors(payload))
-                except ValueError as error:
-                    raise ValueError(f"serialized_named_tensors[{i}]: {error}") from None
-            return named
+            # runs on the engine's worker thread, the one thread that uses `segments`
+            return [pair for pairs in _per_payload(parsed, segments.named_tensors, ValueError) for pair in pairs]
 
         count = sum(len(payload.tensors) for payload in parsed)
         version = _before_update(engine, body)

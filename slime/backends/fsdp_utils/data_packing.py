@@ -165,15 +165,13 @@ def pack_shared_prompt_rows(
     ordered, targets, logit_rows, logit_positions, lengths = [], [], [], [], []
     for row, (prompt, members) in enumerate(rows.items()):
         ids, positions, segment = list(prompt), list(range(len(prompt))), [0] * len(prompt)
-        if routing is not None:
-            routing[row, : len(prompt)] = routing_rows(routed_experts[members[0]], len(tokens[members[0]]))[
-                : len(prompt)
-            ]
         for k, index in enumerate(members, start=1):
             response = tokens[index][len(prompt) :]
             start = len(ids)
             if routing is not None:
                 own = routing_rows(routed_experts[index], len(tokens[index]))
+                if k == 1:  # the shared prompt takes its first sample's routing
+                    routing[row, : len(prompt)] = own[: len(prompt)]
                 routing[row, start : start + len(response)] = own[len(prompt) :]
             ids += response
             positions += range(len(prompt), len(prompt) + len(response))

@@ -49,7 +49,7 @@ from slime.backends.megatron_utils.parallel import named_weights
 from slime.backends.megatron_utils.routing_replay import local_routing, moe_routers, set_replay
 from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.backends.megatron_utils.update_weight import hf_weight_buckets
-from slime.backends.storage_offload import release_storages, restore_storages
+from slime.backends.storage_offload import ReleasedStorages, release_storages, restore_storages
 from slime.backends.train_actor import TrainRayActor, Weights
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
@@ -147,6 +147,7 @@ class MegatronTrainRayActor(TrainRayActor):
             raise ValueError("--context-parallel-size > 1 needs TransformerEngine attention (a GPU with TE)")
 
         self.model = build_model(self.model_args, role=self.role)
+        self.offloaded: dict[str, ReleasedStorages] = {}  # --offload-train: what `offload` released, by part
         for chunk in self.model:
             unwrap_model(chunk).config.variable_seq_lengths = True  # packed rows differ in length
         self.routers = [moe_routers(chunk) for chunk in self.model]
@@ -421,7 +422,7 @@ class MegatronTrainRayActor(TrainRayActor):
         """Free weights, gradients and optimizer state while the engines generate (`storage_offload`):
         their storages are released (bytes kept on pinned host memory on GPU, in a temp file on CPU) and
         `onload` restores them bit for bit; gradients come back as zeros. Sizes are in `self.offloaded`."""
-        if getattr(self, "offloaded", None):
+        if self.offloaded:
             return
         with torch.no_grad():
             for chunk in self.model:
@@ -441,7 +442,7 @@ class MegatronTrainRayActor(TrainRayActor):
 
     def onload(self) -> None:
         """Undo `offload`: weights and optimizer state back bit for bit, gradients zero."""
-        for released in getattr(self, "offloaded", {}).values():
+        for released in self.offloaded.values():
             restore_storages(released)
         self.offloaded = {}
 
@@ -449,7 +450,7 @@ class MegatronTrainRayActor(TrainRayActor):
     def _weights_onloaded(self) -> Iterator[None]:
         # The driver pushes weights (and may probe the engines) while offloaded: bring back only the weights
         # meanwhile; optimizer state and gradients stay released.
-        weights = getattr(self, "offloaded", {}).pop("weights", None)
+        weights = self.offloaded.pop("weights", None)
         if weights is None:
             yield
             return
