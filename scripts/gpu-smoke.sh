@@ -77,7 +77,7 @@ if count == 0:
     print("gpu-smoke: no CUDA device: every GPU test will be skipped")
 EOF
 
-mapfile -t files < <(grep -l -E "pytest\.mark\.gpu" tests/test_*.py)
+mapfile -t files < <(grep -l -E "pytest\.mark\.gpu" tests/*/test_*.py)
 if [ "${#files[@]}" -eq 0 ]; then
     echo "gpu-smoke: no test file under tests/ uses pytest.mark.gpu" >&2
     exit 1

@@ -1,20 +1,31 @@
+"""Suite-wide fixtures and the tiers: each test is marked `unit`, `integration` or `e2e` by the folder it lives in,
+and gets that tier's timeout unless it sets its own (`@pytest.mark.timeout(s)`)."""
+
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))  # `support` (the shared helpers) and the dotted plugin paths tests pass
 
-from tiny_model import build_tiny_model  # noqa: E402
+from support.tiny_model import build_tiny_model  # noqa: E402
+
+# Seconds a test may take, setup included, before it fails with its name instead of eating the CI budget.
+TIER_TIMEOUTS = {"unit": 120, "integration": 400, "e2e": 900}
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        tier = Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
+        if tier not in TIER_TIMEOUTS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in tests/unit, tests/integration or tests/e2e")
+        item.add_marker(getattr(pytest.mark, tier))
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TIER_TIMEOUTS[tier]))
+        if skip_gpu and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
 

@@ -17,7 +17,7 @@ Two layouts, both without per-sample padding; the actor picks one from the model
 
 In both, the logit at a row position predicts the token at the next position of the same
 sequence; `logit_rows` / `logit_positions` say where each response token's predictor sits.
-Measured on CPU: logits equal per-sequence logits within 5e-6 (`tests/test_fsdp_backend.py`
+Measured on CPU: logits equal per-sequence logits within 5e-6 (`tests/integration/test_fsdp_backend.py`
 checks 1e-5 for both layouts).
 
 FSDP all-gathers parameters inside every forward, so all data-parallel ranks must run the same

@@ -22,7 +22,7 @@
 
 Every registered flag has an effect: it is read after parsing, consumed by the parser itself
 (`PARSE_TIME_FLAGS`), or refused at parse time with the reason and the alternative (`REFUSED_FLAGS`;
-tests/test_every_flag.py keeps it so).
+tests/unit/test_every_flag.py keeps it so).
 
 Errors: a malformed command line (unknown flag, bad choice, bad JSON, odd `--eval-prompt-data`
 count) exits through argparse with status 2. A well-formed but inconsistent one (checked by

@@ -1,0 +1,95 @@
+"""Engines and trainer ranks that die mid-run: train.py end to end on CPU (real Ray, router, CPU engines)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from support.runs import rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
+
+from slime.utils.types import Sample
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    return write_addition_prompts(tmp_path_factory.mktemp("ft_data") / "train.jsonl")
+
+
+def run_train(model_dir, prompt_file, save_dir, *extra) -> subprocess.CompletedProcess:
+    return run_driver_script("train.py", *small_run_flags(model_dir, prompt_file, save_dir), *extra)
+
+
+def rollout_samples(save_dir: Path, rollout_id: int) -> list[Sample]:
+    saved = torch.load(save_dir / "rollouts" / f"rollout_{rollout_id}.pt", weights_only=True)
+    return [Sample.from_dict(d) for d in saved["samples"]]
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.reliability(
+    "SIGKILL of one of two engines in the middle of rollout 1, with --use-fault-tolerance",
+    "the engine leaves the router, its requests are retried on the other, it is restarted, given the current "
+    "weights (log-probs checked against the trainer) and put back; every rollout completes with all its samples",
+)
+def test_killed_engine_is_replaced_and_the_run_completes(tiny_model_dir, prompt_file, tmp_path):
+    result = run_train(
+        tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "3", "--rollout-num-gpus", "2",
+        "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "20",
+        "--custom-generate-function-path", "support.fault_injection.kill_second_engine_in_rollout_1",
+    )  # fmt: skip
+    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    history = rollout_rows(tmp_path)
+    assert [row["rollout_id"] for row in history] == [0, 1, 2]
+    assert [row["rollout/engine_restarts"] for row in history] == [0, 1, 1]
+    # After the push that follows the restart, every engine (the replacement too) matches the trainer.
+    assert history[1]["rollout/restarted_engine_weight_gap"] <= 1e-4
+    # Engine-vs-trainer log-probs of rollout 2 were sampled by both engines with the pushed weights.
+    assert history[2]["train/train_rollout_logprob_max_abs_diff"] <= 1e-4
+    for rollout_id in range(3):
+        samples = rollout_samples(tmp_path, rollout_id)
+        assert len(samples) == 4
+        # Two prompts, each exactly n_samples_per_prompt times: none lost to the kill, none doubled by a retry.
+        groups = sorted(s.group_index for s in samples)
+        assert groups[0] == groups[1] != groups[2] == groups[3], groups
+
+
+@pytest.mark.slow
+@pytest.mark.reliability(
+    "SIGKILL of one of two engines in the middle of rollout 1, without --use-fault-tolerance",
+    "the run stops; the last line of its output names the dead engine and --use-fault-tolerance",
+)
+def test_killed_engine_without_fault_tolerance_stops_naming_it(tiny_model_dir, prompt_file, tmp_path):
+    result = run_train(
+        tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "3", "--rollout-num-gpus", "2",
+        "--custom-generate-function-path", "support.fault_injection.kill_second_engine_in_rollout_1",
+    )  # fmt: skip
+    assert result.returncode != 0
+    line = last_line(result)
+    assert line.startswith("slime: RuntimeError: rollout 1: inference engine 1 (http://127.0.0.1:"), line
+    assert "--use-fault-tolerance" in line and "--load" in line
+
+
+@pytest.mark.slow
+@pytest.mark.reliability(
+    "the training process of rank 0 exits in the middle of rollout 1",
+    "the run stops naming training rank 0 and --load; resuming with --load finishes the run from rollout 1",
+)
+def test_dead_trainer_rank_is_named_and_load_resumes(tiny_model_dir, prompt_file, tmp_path):
+    hook = ("--rollout-data-postprocess-path", "support.fault_injection.exit_trainer_once_in_rollout_1")
+    result = run_train(tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "3", "--save-interval", "1", *hook)
+    assert result.returncode != 0
+    line = last_line(result)
+    assert "training rank 0 of the actor" in line and f"--load {tmp_path}" in line, line
+    assert [row["rollout_id"] for row in rollout_rows(tmp_path)] == [0]
+
+    resumed = run_train(
+        tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "3", "--save-interval", "1", "--load", str(tmp_path),
+        *hook,
+    )  # fmt: skip
+    assert resumed.returncode == 0, f"resume failed:\n{resumed.stderr[-6000:]}"
+    assert [row["rollout_id"] for row in rollout_rows(tmp_path)] == [0, 1, 2]

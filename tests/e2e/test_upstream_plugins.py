@@ -1,0 +1,166 @@
+"""train.py driven by upstream-shaped plugins (agent, rollout, reward, filter), as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import torch
+from support.runs import rollout_rows, run_driver_script
+from transformers import AutoTokenizer
+
+from slime.utils.types import Sample, Status
+
+PLUGINS = {
+    "my_agent.py": '''
+        """A two-turn agent: answer, see a tool's output, answer again (upstream's search-r1 / retool shape)."""
+        import asyncio
+        import time
+
+        from slime.rollout.sglang_rollout import GenerateState
+        from slime.utils.http_utils import post
+        from slime.utils.mask_utils import MultiTurnLossMaskGenerator
+        from slime.utils.misc import SingletonMeta
+        from slime.utils.types import Sample
+
+        TOOL_OUTPUT = "0123456789"
+
+
+        class Calculator(metaclass=SingletonMeta):
+            def __init__(self):
+                self.calls = 0
+
+            async def run(self, query):
+                self.calls += 1
+                await asyncio.sleep(0.01)  # a tool takes time
+                return TOOL_OUTPUT
+
+
+        async def generate(args, sample: Sample, sampling_params) -> Sample:
+            state = GenerateState(args)
+            masker = MultiTurnLossMaskGenerator(state.tokenizer, tokenizer_type=args.loss_mask_type)
+            url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+            messages = list(sample.prompt)
+            sample.session_id = f"session-{sample.index}"
+            for turn in range(2):
+                text = state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                output = await post(url, {"text": text, "sampling_params": sampling_params})
+                finish = output["meta_info"]["finish_reason"]["type"]
+                if finish == "abort":
+                    sample.status = Sample.Status.ABORTED
+                    return sample
+                messages.append({"role": "assistant", "content": output["text"].split(state.tokenizer.eos_token)[0]})
+                if turn == 0:
+                    started = time.perf_counter()
+                    messages.append({"role": "tool", "content": await Calculator().run(output["text"])})
+                    sample.non_generation_time += time.perf_counter() - started
+            token_ids, loss_mask = masker.get_loss_mask(messages)
+            response_length = masker.get_response_lengths([loss_mask])[0]
+            sample.tokens = token_ids
+            sample.response_length = response_length
+            sample.loss_mask = loss_mask[-response_length:]
+            sample.response = state.tokenizer.decode(token_ids[-response_length:])
+            sample.metadata["tool_calls"] = 1
+            sample.status = Sample.Status.TRUNCATED if finish == "length" else Sample.Status.COMPLETED
+            return sample
+    ''',
+    "my_reward.py": """
+        from slime.utils.types import Sample
+
+
+        async def reward(args, sample: Sample) -> dict:
+            correct = float(sample.metadata["answer"] in sample.response)
+            # A tiny random model never answers right; alternate within each group so advantages are not all 0.
+            return {"score": float(sample.index % 2), "correct": correct, "tool_calls": sample.metadata["tool_calls"]}
+    """,
+    "my_filter.py": """
+        import statistics
+
+        from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+
+
+        def keep_varied_rewards(args, samples, **kwargs):
+            rewards = [sample.get_reward_value(args) for sample in samples]
+            spread = statistics.pstdev(rewards)
+            for sample in samples:
+                sample.metadata["group_reward_std"] = spread
+            return DynamicFilterOutput(keep=spread > 0, reason=None if spread > 0 else "zero_std")
+    """,
+    "my_rollout.py": """
+        import asyncio
+
+        from slime.rollout.sglang_rollout import GenerateState, generate_and_rm_group
+        from slime.utils.async_utils import run
+        from slime.utils.misc import load_function
+
+
+        def generate_rollout(args, rollout_id, data_source, evaluation=False):
+            assert not evaluation, "this rollout has no eval mode"
+            return run(collect(args, rollout_id, data_source))
+
+
+        async def collect(args, rollout_id, data_source):
+            state = GenerateState(args)
+            keep = load_function(args.dynamic_sampling_filter_path)
+            kept = []
+            while len(kept) < args.rollout_batch_size:
+                groups = data_source.get_samples(args.rollout_batch_size - len(kept))
+                for group in groups:
+                    for sample in group:
+                        sample.rollout_id = rollout_id
+                        sample.metadata["collected_by"] = "my_rollout"
+                done = await asyncio.gather(*(generate_and_rm_group(args, g, state.sampling_params) for g in groups))
+                kept += [group for group in done if keep(args, group).keep]
+            return kept
+    """,
+}
+
+
+def test_train_py_runs_upstream_shaped_plugins(tiny_model_dir, tmp_path, monkeypatch):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    for name, source in PLUGINS.items():
+        (plugins / name).write_text(textwrap.dedent(source).lstrip())
+    monkeypatch.setenv("PYTHONPATH", str(plugins))
+    data = tmp_path / "train.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "metadata": {"answer": str(a + b)}}
+        for a in range(1, 4)
+        for b in range(1, 4)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save = tmp_path / "run"
+    result = run_driver_script(
+        "train.py", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--input-key", "messages",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
+        "--num-rollout", "2", "--lr", "1e-3", "--save", str(save),
+        "--save-debug-rollout-data", str(save / "rollouts" / "rollout_{rollout_id}.pt"),
+        "--rollout-function-path", "my_rollout.generate_rollout",
+        "--custom-generate-function-path", "my_agent.generate",
+        "--custom-rm-path", "my_reward.reward", "--reward-key", "score",
+        "--dynamic-sampling-filter-path", "my_filter.keep_varied_rewards",
+        timeout=420,
+    )  # fmt: skip
+    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    history = rollout_rows(save)
+    assert [h["rollout_id"] for h in history] == [0, 1] and all("train/loss" in h for h in history)
+    assert [h["rollout/reward"] for h in history] == [0.5, 0.5]  # the "score" entry, picked by --reward-key
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # From the tiny template's layout: what sits between the two assistant turns is context, never trained on.
+    between_turns = "<|im_start|>tool\n0123456789<|im_end|>\n<|im_start|>assistant\n"
+    for rollout_id in (0, 1):
+        saved = torch.load(save / "rollouts" / f"rollout_{rollout_id}.pt", weights_only=False)
+        samples = [Sample.from_dict(d) for d in saved["samples"]]
+        assert len(samples) == 4 and [s.group_index for s in samples][::2] == [s.group_index for s in samples][1::2]
+        for s in samples:
+            assert s.metadata["collected_by"] == "my_rollout" and s.metadata["group_reward_std"] == 0.5
+            assert s.reward["score"] == s.index % 2 and s.reward["tool_calls"] == 1
+            assert s.session_id == f"session-{s.index}" and s.non_generation_time >= 0.01
+            assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.rollout_id == rollout_id
+            response = s.tokens[-s.response_length :]
+            assert len(s.loss_mask) == s.response_length and s.loss_mask[0] == 1
+            masked_out = [t for t, keep in zip(response, s.loss_mask, strict=True) if not keep]
+            assert tokenizer.decode(masked_out) == between_turns, tokenizer.decode(response)
+            prompt = tokenizer.apply_chat_template(s.prompt, tokenize=False, add_generation_prompt=True)
+            assert tokenizer.decode(s.tokens[: -s.response_length]) == prompt

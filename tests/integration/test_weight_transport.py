@@ -1,0 +1,518 @@
+"""Weight transport shared by trainers and engines, between real processes.
+
+- Shared-memory payloads: serialized in this process, mapped in a spawned one.
+- Reusable shared-memory segments (CPU tensors): a real CPU engine process keeps its weights in the segments of
+  one push while the next fills the other set, computes what the pushed weights compute, refuses malformed
+  layouts with a 400, and lets go of segments the trainer unlinked; a trainer that exits or is SIGKILLed
+  leaves no segment.
+- The SGLang-style broadcast group: a trainer-like process (with a default process group)
+  and an engine-like process (without one) join it, broadcast, leave and rejoin under the same
+  name; and a rank built by hand the way SGLang's `init_custom_process_group` builds it (torch's
+  `tcp://` rendezvous store, `PrefixStore(group_name)`, `_new_process_group_helper`) meets ours.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import io
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import requests
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+from support.engines import REPO_ROOT, engine_server
+from transformers import AutoModelForCausalLM
+
+from slime.backends.sglang_utils.http_client import EngineClient
+from slime.utils.http_utils import find_free_port
+from slime.utils.weight_sync import bucket_named_tensors, probe_tokens, send_buckets_as_tensors
+from slime.utils.weight_transport import (
+    SHARED_MEMORY_FORMAT,
+    SHM_DIR,
+    MappedSegments,
+    deserialize_named_tensors,
+    init_process_group_like_sglang,
+    parse_shared_payload,
+    release_send_segments,
+    serialize_named_tensors,
+    stage_named_tensors,
+)
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _as_plain(named_tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], list]]:
+    """Names, dtypes, shapes and values as plain Python (bf16 widened exactly to float32)."""
+    plain = []
+    for name, tensor in named_tensors:
+        values = tensor.float().tolist() if tensor.is_floating_point() else tensor.tolist()
+        plain.append((name, str(tensor.dtype), list(tensor.shape), values))
+    return plain
+
+
+def _run(targets: list[tuple]) -> list:
+    """Run each (function, args) in a spawned process that puts one result on the queue it gets last.
+
+    Returns the results in target order; fails if a process errs or hangs.
+    """
+    context = torch.multiprocessing.get_context("spawn")
+    queues = [context.Queue() for _ in targets]
+    processes = [context.Process(target=fn, args=(*args, queue)) for (fn, args), queue in zip(targets, queues)]
+    for process in processes:
+        process.start()
+    try:
+        results = []
+        for process, queue in zip(processes, queues):
+            try:
+                results.append(queue.get(timeout=120))
+            except Exception:
+                pytest.fail(f"{process.name} sent no result (exit code {process.exitcode}); see its stderr")
+        for process in processes:
+            process.join(timeout=60)
+            assert process.exitcode == 0, f"{process.name} exited with {process.exitcode}"
+        return results
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+
+
+# ---------------------------------------------------------------- shared-memory payloads
+
+
+def _map_payload(payload: str, queue) -> None:
+    queue.put(_as_plain(deserialize_named_tensors(payload)))
+
+
+def test_payload_round_trip_across_processes():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    named = [
+        ("model.embed_tokens.weight", torch.linspace(-1, 1, 12).reshape(3, 4)),
+        ("transposed", base.t()),  # non-contiguous view
+        ("slice", base[1:3, 2:5]),  # a window into a larger storage
+        ("bf16", torch.tensor([0.5, -2.0, 3.25], dtype=torch.bfloat16)),
+        ("int64", torch.tensor([[7, -8], [9, 10]])),
+    ]
+    expected = _as_plain([(name, tensor.clone()) for name, tensor in named])
+    payload = serialize_named_tensors(named)
+    # The payload holds copies: changing the originals afterwards must not reach the receiver.
+    for _, tensor in named:
+        tensor.add_(1)
+    base.fill_(100.0)
+
+    [received] = _run([(_map_payload, (payload,))])
+    assert received == expected
+
+
+def _forking_payload(obj) -> str:
+    """`obj` pickled the way serialize_named_tensors pickles, whatever its structure."""
+    buffer, previous = io.BytesIO(), torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+@pytest.mark.reliability("weight payload: not (name, tensor) pairs, or not base64", "ValueError saying what it holds")
+def test_deserialize_rejects_a_payload_without_name_tensor_pairs():
+    with pytest.raises(ValueError, match="list of \\(name, tensor\\) pairs"):
+        deserialize_named_tensors(_forking_payload({"weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="not base64"):
+        deserialize_named_tensors("this is not base64!")
+
+
+class _RunsCommand:
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+class _CallsEval:
+    def __reduce__(self):
+        return eval, ("1 + 1",)
+
+
+def _pickled_global(module: str, name: str) -> str:
+    """A protocol-4 pickle that only looks up module.name (STACK_GLOBAL), base64-encoded."""
+
+    def short_string(text: str) -> bytes:
+        return b"\x8c" + bytes([len(text)]) + text.encode()
+
+    raw = b"\x80\x04" + short_string(module) + short_string(name) + b"\x93."
+    return base64.b64encode(raw).decode("ascii")
+
+
+@pytest.mark.reliability(
+    "weight payload whose pickle calls os.system, eval, or a dotted torch global", "ValueError naming it; nothing runs"
+)
+def test_deserialize_refuses_foreign_globals_before_building_anything(tmp_path):
+    marker = tmp_path / "pwned"
+    real = serialize_named_tensors([("w", torch.ones(3))])
+    attacks = {
+        "posix.system": base64.b64encode(pickle.dumps([("w", _RunsCommand(f"touch {marker}"))])).decode("ascii"),
+        "builtins.eval": base64.b64encode(pickle.dumps([("w", _CallsEval())])).decode("ascii"),
+        # A real pair first, then the attack: the global is refused before the first tensor is rebuilt.
+        "posix.system ": _forking_payload([("w", torch.ones(3)), ("x", _RunsCommand(f"touch {marker}"))]),
+        # Exact names only: a dotted name would reach UntypedStorage.from_file, which maps any file.
+        "torch.storage.UntypedStorage.from_file": _pickled_global("torch.storage", "UntypedStorage.from_file"),
+        "torch._utils._rebuild_tensor_v2": base64.b64encode(pickle.dumps([("w", torch.ones(2))])).decode("ascii"),
+    }
+    for named_global, payload in attacks.items():
+        with pytest.raises(ValueError, match=f"refers to {named_global.strip()},"):
+            deserialize_named_tensors(payload)
+    assert not marker.exists()
+    assert [name for name, _ in deserialize_named_tensors(real)] == ["w"]  # the real thing still loads
+
+
+# ---------------------------------------------------------------- reusable shared-memory segments
+
+
+def _segments_of(payloads: list[str]) -> set[str]:
+    return {json.loads(payload)["segment"] for payload in payloads}
+
+
+def _mapped_by(pid: int) -> dict[str, bool]:
+    """slime segment name -> whether it was unlinked, for every one process `pid` maps."""
+    mapped = {}
+    for line in open(f"/proc/{pid}/maps"):
+        match = re.search(r"/dev/shm/(slime_w_[0-9a-f]{16})( \(deleted\))?$", line.rstrip("\n"))
+        if match:
+            mapped[match.group(1)] = bool(match.group(2))
+    return mapped
+
+
+def test_staged_tensors_read_back_in_any_dtype_and_layout():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    named = [
+        ("transposed", base.t()),  # non-contiguous
+        ("bf16", torch.tensor([0.5, -2.0, 3.25], dtype=torch.bfloat16)),
+        ("int64", torch.tensor([[7, -8], [9, 10]])),
+        ("bool", torch.tensor([True, False, True])),
+        ("scalar", torch.tensor(2.5, dtype=torch.float64)),
+        ("empty", torch.zeros(0, 3)),
+    ]
+    expected = _as_plain([(name, tensor.clone()) for name, tensor in named])
+    segments = MappedSegments()
+    release_send_segments()
+    try:
+        payload = parse_shared_payload(stage_named_tensors(named, index=0))
+        assert _as_plain(segments.named_tensors(payload)) == expected
+        assert all(tensor.offset % 64 == 0 for tensor in payload.tensors)
+    finally:
+        segments.close()
+        release_send_segments()
+    assert not (SHM_DIR / payload.segment).exists()
+
+
+def test_a_segment_the_receiver_holds_is_never_written():
+    segments = MappedSegments()
+    weight = torch.nn.Parameter(torch.zeros(4))
+    release_send_segments()
+
+    def push(value: float, numel: int = 4) -> str:
+        """Stage chunk 0 beside what the receiver holds; it points `weight` at a view (or copies a larger one)."""
+        held = segments.holding([weight])
+        payload = parse_shared_payload(stage_named_tensors([("w", torch.full((numel,), value))], 0, held))
+        ((_, view),) = segments.named_tensors(payload)
+        weight.data = view if numel == 4 else view[:4].clone()
+        return payload.segment
+
+    try:
+        first = push(1.0)
+        assert segments.holding([weight]) == [first]
+        second = push(2.0)  # the receiver's weights live in `first`: the push goes to the other segment
+        assert second != first and weight.tolist() == [2.0] * 4
+        third = push(3.0)  # ...and back, now that the weights left `first`
+        assert third == first and weight.tolist() == [3.0] * 4
+        # A chunk that fits neither: the free one (`second`) is replaced by a larger one; `first`, held, is kept.
+        fourth = push(4.0, numel=2**19)
+        assert fourth not in (first, second) and not (SHM_DIR / second).exists() and (SHM_DIR / first).exists()
+        assert second not in segments.mappings  # the receiver let go of the segment its sender unlinked
+        assert segments.holding([weight]) == []  # that push was copied, not pointed at
+    finally:
+        segments.close()
+        release_send_segments()
+    assert not any((SHM_DIR / name).exists() for name in (first, fourth))
+
+
+class RecordingClient(EngineClient):
+    """A real engine client that also keeps what each /update_weights_from_tensor call carried."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.calls: list[dict] = []
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], **kwargs):
+        response = super().update_weights_from_tensor(serialized_named_tensors=serialized_named_tensors, **kwargs)
+        self.calls.append({"payloads": serialized_named_tensors, "response": response, **kwargs})
+        return response
+
+
+@pytest.fixture(scope="module")
+def shm_engine(tiny_model_dir):
+    with engine_server(tiny_model_dir) as (process, url):
+        yield process, url
+
+
+def _prompt_log_probs(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def _engine_log_probs(url: str, tokens: list[int]) -> torch.Tensor:
+    body = {
+        "input_ids": tokens,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    entries = requests.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"]["input_token_logprobs"]
+    return torch.tensor([entry[0] for entry in entries[1:]])
+
+
+@pytest.mark.slow
+def test_pushes_reuse_the_segments_and_deliver_the_new_values(tiny_model_dir, shm_engine):
+    process, url = shm_engine
+    client = RecordingClient(url)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    probe = probe_tokens(model.config.vocab_size)
+    generator = torch.Generator().manual_seed(0)
+
+    def push(version: str) -> set[str]:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator), alpha=0.05)
+        client.calls.clear()
+        buckets = bucket_named_tensors(((n, p.detach()) for n, p in model.named_parameters()), 40_000)
+        send_buckets_as_tensors(
+            buckets, [client], rank=0, gpus_per_engine=1, span_groups=[None], weight_version=version
+        )
+        assert all(call["load_format"] == SHARED_MEMORY_FORMAT for call in client.calls)
+        counts = [int(re.fullmatch(r"updated (\d+) tensors", call["response"]["message"])[1]) for call in client.calls]
+        assert sum(counts) == len(list(model.parameters()))
+        assert requests.get(f"{url}/get_model_info", timeout=30).json()["weight_version"] == version
+        gap = (_engine_log_probs(url, probe) - _prompt_log_probs(model, probe)).abs().max().item()
+        assert gap < 1e-5, gap
+        return _segments_of([payload for call in client.calls for payload in call["payloads"]])
+
+    release_send_segments()
+    try:
+        first = push("1")
+        assert len(first) > 2 and client.calls[0]["payloads"] == []  # several chunks, after asking what is held
+        before = _engine_log_probs(url, probe)
+        second = push("2")
+        assert not second & first  # the engine's weights live in `first`: this push fills the other segments...
+        assert set(client.calls[-1]["response"]["segments_in_use"]) == second  # ...and the weights move there
+        third = push("3")
+        assert third == first  # the same segments again, rewritten in place...
+        assert (_engine_log_probs(url, probe) - before).abs().max().item() > 1e-3  # ...with the new values
+        assert _mapped_by(process.pid) == dict.fromkeys(first | second, False)  # mapped once, kept across pushes
+
+        # Released and resumed (--offload-rollout), the engine holds no segment: the push reuses the same ones.
+        for endpoint in ("release_memory_occupation", "resume_memory_occupation"):
+            assert requests.post(f"{url}/{endpoint}", json={}, timeout=120).json()["success"] is True
+        gap = (_engine_log_probs(url, probe) - _prompt_log_probs(model, probe)).abs().max().item()
+        assert gap < 1e-5, gap  # the release snapshot of weights that lived in segments was right
+        assert push("4") == first
+
+        release_send_segments()  # as a trainer that exits; a new one pushes through new segments
+        assert not any((SHM_DIR / name).exists() for name in first | second)
+        fifth = push("5")
+        assert not fifth & (first | second)
+        assert _mapped_by(process.pid) == dict.fromkeys(fifth, False)  # the unlinked ones were let go
+    finally:
+        release_send_segments()
+
+
+@pytest.mark.slow
+@pytest.mark.reliability(
+    "malformed /update_weights_from_tensor shared-memory layout (bad JSON, foreign, missing or FIFO segment, "
+    "offset past the end or misaligned, unknown dtype, negative shape, unknown parameter)",
+    "HTTP 400 naming the problem; nothing is read out of bounds and the weights stay as they were",
+)
+def test_malformed_shared_memory_payloads_are_refused(tiny_model_dir, shm_engine):
+    _, url = shm_engine
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    name, tensor = next(iter(model.state_dict().items()))
+    probe = probe_tokens(model.config.vocab_size)
+    before = _engine_log_probs(url, probe)
+    version = requests.get(f"{url}/get_model_info", timeout=30).json()["weight_version"]
+    good = json.loads(stage_named_tensors([(name, torch.zeros_like(tensor))], index=0))
+    segment_bytes = os.path.getsize(SHM_DIR / good["segment"])
+
+    fifo = SHM_DIR / ("slime_w_" + os.urandom(8).hex())  # opening a FIFO for reading would block
+    os.mkfifo(fifo)
+
+    def entry(**changed):
+        return {**good, "tensors": [{**good["tensors"][0], **changed}]}
+
+    cases = [
+        ("{not json", "not JSON"),
+        ({**good, "segment": "../../etc/passwd"}, "slime segment name"),
+        ({**good, "segment": "torch_1_2"}, "slime segment name"),
+        ({**good, "segment": "slime_w_" + "0" * 16}, "no shared-memory segment"),
+        ({**good, "segment": fifo.name}, "is not a file of this user"),
+        (entry(offset=segment_bytes), "reach past the end"),
+        (entry(offset=2), "multiple of 4"),
+        (entry(dtype="float33"), "dtype must name a torch dtype"),
+        (entry(shape=[-1, 4]), "shape must be a list of integers"),
+        (entry(name="no.such.weight"), "unknown parameter names"),
+        (entry(shape=[1, 2]), "wrong shapes"),
+        ({"segment": good["segment"]}, "JSON object"),
+    ]
+    try:
+        for payload, expected in cases:
+            text = payload if isinstance(payload, str) else json.dumps(payload)
+            body = {"serialized_named_tensors": [text], "load_format": SHARED_MEMORY_FORMAT, "weight_version": "bad"}
+            response = requests.post(f"{url}/update_weights_from_tensor", json=body, timeout=60)
+            assert response.status_code == 400, (payload, response.text)
+            assert response.json()["success"] is False and expected in response.json()["message"], response.text
+        body = {"serialized_named_tensors": [good], "load_format": SHARED_MEMORY_FORMAT}
+        response = requests.post(f"{url}/update_weights_from_tensor", json=body, timeout=60)
+        assert response.status_code == 400 and "must be a JSON string" in response.text
+    finally:
+        release_send_segments()
+        fifo.unlink()
+    assert requests.get(f"{url}/get_model_info", timeout=30).json()["weight_version"] == version
+    assert torch.equal(_engine_log_probs(url, probe), before)
+
+
+_TRAINER = """
+import json, sys, torch
+from slime.utils.weight_transport import stage_named_tensors
+print(json.dumps([stage_named_tensors([("w", torch.ones(1000))], index) for index in (0, 1)]), flush=True)
+sys.stdin.readline()  # the test looks at /dev/shm meanwhile
+"""
+
+
+@pytest.mark.reliability(
+    "a trainer holding weight segments exits, or is killed with SIGKILL",
+    "its segments are unlinked (atexit; after SIGKILL, Python's resource tracker): nothing is left in /dev/shm",
+)
+@pytest.mark.parametrize("ending", ["exit", "sigkill"])
+def test_a_trainer_leaves_no_segment_behind(ending):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        names = _segments_of(json.loads(trainer.stdout.readline()))
+        assert len(names) == 2 and all((SHM_DIR / name).exists() for name in names)
+        if ending == "exit":
+            trainer.communicate("\n", timeout=60)
+            assert trainer.returncode == 0
+        else:
+            trainer.kill()
+            trainer.wait(timeout=60)
+        deadline = time.monotonic() + 20  # the resource tracker notices its parent is gone and cleans up
+        while any((SHM_DIR / name).exists() for name in names) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any((SHM_DIR / name).exists() for name in names)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+
+
+# ---------------------------------------------------------------- broadcast group
+
+SENT = [
+    ("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+    ("b", torch.tensor([1.5, -0.25, 8.0], dtype=torch.bfloat16)),
+]
+SENT_AGAIN = [("c", torch.full((4,), 2.5))]
+
+
+def _trainer_rank(store_file: str, ports: list[int], group_name: str, queue) -> None:
+    """Rank 0 in a process that already has a default (training) group, as a trainer rank does."""
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=0, world_size=1)
+    for port, tensors in zip(ports, [SENT, SENT_AGAIN]):
+        group = init_process_group_like_sglang("gloo", "127.0.0.1", port, 0, 2, group_name, TIMEOUT)
+        for _, tensor in tensors:
+            dist.broadcast(tensor, src=0, group=group)
+        dist.destroy_process_group(group)
+    # The training group is still the default one and still works.
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    state = (dist.get_rank(), dist.get_world_size(), total.item())
+    dist.destroy_process_group()
+    queue.put(state)
+
+
+def _engine_rank(ports: list[int], group_name: str, queue) -> None:
+    """Rank 1 in a process without a default group, as the CPU engine is."""
+    received = []
+    for port, tensors in zip(ports, [SENT, SENT_AGAIN]):
+        group = init_process_group_like_sglang("gloo", "127.0.0.1", port, 1, 2, group_name, TIMEOUT)
+        assert (group.rank(), group.size()) == (1, 2)
+        for name, tensor in tensors:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
+            dist.broadcast(buffer, src=0, group=group)
+            received.append((name, buffer))
+        # Leaving frees the name for the next round.
+        dist.destroy_process_group(group)
+    queue.put((dist.is_initialized(), _as_plain(received)))
+
+
+def test_group_between_a_trainer_with_a_default_group_and_an_engine_without(tmp_path):
+    ports = [find_free_port(), find_free_port()]
+    trainer_state, (engine_has_default_group, received) = _run(
+        [
+            (_trainer_rank, (str(tmp_path / "default_group_store"), ports, "weights")),
+            (_engine_rank, (ports, "weights")),
+        ]
+    )
+    assert received == _as_plain(SENT + SENT_AGAIN)
+    assert trainer_state == (0, 1, 1.0)  # rank 0 of the 1-process training group; all_reduce of 1 is 1
+    assert engine_has_default_group is False  # joining made no default group in the engine
+
+
+def _hand_built_sglang_rank(port: int, group_name: str, queue) -> None:
+    """A receiver assembled step by step as SGLang's engines do, independent of weight_transport."""
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=TIMEOUT))
+    store.set_timeout(TIMEOUT)
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend("gloo"),
+        dist.PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=TIMEOUT,
+    )
+    _world.pg_group_ranks[group] = {0: 0, 1: 1}
+    buffer = torch.empty(SENT[0][1].shape)
+    dist.broadcast(buffer, src=0, group=group)
+    dist.destroy_process_group(group)
+    queue.put(buffer.tolist())
+
+
+def _sender(port: int, group_name: str, queue) -> None:
+    group = init_process_group_like_sglang("gloo", "127.0.0.1", port, 0, 2, group_name, TIMEOUT)
+    dist.broadcast(SENT[0][1], src=0, group=group)
+    dist.destroy_process_group(group)
+    queue.put("sent")
+
+
+def test_group_meets_a_rank_built_the_sglang_way():
+    port = find_free_port()
+    status, received = _run([(_sender, (port, "probe_group")), (_hand_built_sglang_rank, (port, "probe_group"))])
+    assert status == "sent" and received == SENT[0][1].tolist()

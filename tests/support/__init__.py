@@ -1,0 +1,1 @@
+"""Helpers shared by the test tiers: tiny models, engine and router processes, driver runs, payloads."""

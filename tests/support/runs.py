@@ -1,0 +1,62 @@
+"""Shared pieces of the end-to-end tests: a prompt file and `train.py` / `train_async.py` run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from slime.utils.types import Sample
+
+TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+
+
+def write_addition_prompts(path: Path, operands: range = range(1, 5)) -> Path:
+    """A JSONL file of "What is a + b?" prompts with their sums as labels."""
+    rows = [{"prompt": f"What is {a} + {b}?", "label": str(a + b)} for a in operands for b in operands]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def small_run_flags(model_dir, prompt_file, save_dir: Path) -> list[str]:
+    """Two prompts x two samples of 8 tokens per rollout, saved to `save_dir` with the rollouts dumped."""
+    return [
+        "--hf-checkpoint", str(model_dir),
+        "--prompt-data", str(prompt_file), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+        "--rm-type", "last_number", "--rollout-shuffle",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
+        "--lr", "1e-3", "--save", str(save_dir),
+        "--save-debug-rollout-data", str(save_dir / "rollouts" / "rollout_{rollout_id}.pt"),
+    ]  # fmt: skip
+
+
+def run_driver_script(script: str, *flags: str, timeout: float = 420) -> subprocess.CompletedProcess:
+    """`python <script> <flags>` from the repository root, with tests/ importable for plugin paths."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, script, *flags]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def rollout_rows(save_dir: Path) -> list[dict]:
+    """The rows of `save_dir/metrics.jsonl` that describe a training rollout."""
+    rows = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "rollout/reward" in row]
+
+
+def run_training(script: str, save_dir: Path, *flags: str, timeout: float = 420) -> list[dict]:
+    """`run_driver_script`, failing the test with the tails of its output unless it exits 0; returns the
+    `rollout_rows` of `save_dir` (where `flags` save)."""
+    result = run_driver_script(script, *flags, timeout=timeout)
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return rollout_rows(save_dir)
+
+
+def saved_samples(save_dir: Path, rollout_id: int) -> list[Sample]:
+    """The samples of rollout `rollout_id` that `small_run_flags`' `--save-debug-rollout-data` wrote."""
+    saved = torch.load(save_dir / "rollouts" / f"rollout_{rollout_id}.pt", weights_only=False)
+    return [Sample.from_dict(d) for d in saved["samples"]]
