@@ -40,8 +40,8 @@ from typing import Any
 from aiohttp import web
 
 from slime.agent.chat_turns import ChatTemplateError, content_text, continuation_ids, prompt_ids
+from slime.utils import openai_protocol as oai
 from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
-from slime.utils.tool_calls import parse_tool_calls
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -50,12 +50,11 @@ logger = logging.getLogger(__name__)
 _MAX_BODY_BYTES = 256 * 2**20
 
 
-class ProxyError(Exception):
-    """A request the proxy answers with an OpenAI-shaped error."""
+class ProxyError(oai.OpenAIError):
+    """A request the proxy answers with an OpenAI-shaped error; `code` names the reason (module docstring)."""
 
     def __init__(self, status: int, message: str, code: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
+        super().__init__(message, param, status, code)
 
 
 @dataclass
@@ -240,8 +239,7 @@ class TrajectoryProxy:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._session(request)
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "slime"}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response(oai.model_list(self.model_name))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
@@ -251,18 +249,16 @@ class TrajectoryProxy:
             raise ProxyError(400, "the request body is not JSON", "invalid_json") from None
         if not isinstance(body, dict):
             raise ProxyError(400, "the request body must be a JSON object", "invalid_json")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ProxyError(400, "'messages' must be a non-empty list of messages", "invalid_value", "messages")
+        messages = oai.messages_field(body)
         if body.get("n") not in (None, 1):
             raise ProxyError(400, "n must be 1: a session records one trajectory", "invalid_value", "n")
         keys = [_message_key(message, f"messages[{i}]") for i, message in enumerate(messages)]
+        streaming, include_usage = oai.stream_fields(body)
         async with session.lock:  # one turn at a time: a second concurrent request must see this one's reply
             turn = await self._turn(session, messages, keys, body)
         completion = _completion(session, turn, body.get("model") or self.model_name)
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            return await _stream(request, completion, bool(isinstance(options, dict) and options.get("include_usage")))
+        if streaming:
+            return await _stream(request, completion, include_usage)
         return web.json_response(completion)
 
     async def _turn(self, session: Session, messages: list[dict], keys: list[tuple], body: dict) -> Turn:
@@ -272,7 +268,7 @@ class TrajectoryProxy:
             session.stop_reason = "max_turns"
             raise _stopped(session)
         start = _extension_start(session, keys)
-        tools = body.get("tools") or None
+        tools = oai.tools_field(body)
         template_kwargs = body.get("chat_template_kwargs")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise ProxyError(400, "chat_template_kwargs must be an object", "invalid_value", "chat_template_kwargs")
@@ -322,17 +318,7 @@ class TrajectoryProxy:
             )
 
         text = output["text"]
-        content, calls = parse_tool_calls(text) if tools else (text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [
-                {
-                    "id": f"call_{session.session_id[:8]}_{len(session.turns)}_{i}",
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-                for i, call in enumerate(calls)
-            ]
+        message = oai.assistant_message(text, tools, id_prefix=f"call_{session.session_id[:8]}_{len(session.turns)}")
         turn = Turn(
             prompt_ids=prompt,
             context_ids=context,
@@ -400,10 +386,8 @@ def session_to_sample(session: Session, sample: Sample) -> Sample:
 
 
 # ---- request helpers ------------------------------------------------------------------------
-def _message_key(message: Any, where: str) -> tuple:
+def _message_key(message: dict[str, Any], where: str) -> tuple:
     """What two messages must share to be the same turn: role, text, and tool calls (name, parsed arguments)."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ProxyError(400, f"{where} must be an object with a 'role'", "invalid_value", where)
     try:
         text = content_text(message.get("content"))
     except ValueError as error:
@@ -483,39 +467,10 @@ def _stopped(session: Session, detail: str = "") -> ProxyError:
 def _sampling_params(defaults: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     """SGLang sampling params of one request: the session's defaults, overridden by the request's fields."""
     # The reply's content leaves out special tokens and the stop string, as OpenAI's does (the ids keep them).
-    params = {**defaults, "skip_special_tokens": True, "no_stop_trim": False}
-
-    def number(name: str, low: float, high: float) -> Any:
-        value = body.get(name)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high
-        ):
-            raise ProxyError(400, f"{name} must be a number in [{low}, {high}], got {value!r}", "invalid_value", name)
-        return value
-
-    if (temperature := number("temperature", 0, 100)) is not None:
-        params["temperature"] = temperature
-    if (top_p := number("top_p", 1e-9, 1)) is not None:
-        params["top_p"] = top_p
-    for name in ("seed", "max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "seed" else 1)
-        ):
-            raise ProxyError(
-                400, f"{name} must be an integer >= {0 if name == 'seed' else 1}, got {value!r}", "invalid_value", name
-            )
-    if body.get("seed") is not None:
-        params["sampling_seed"] = body["seed"]
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None:
-        params["max_new_tokens"] = max_tokens
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise ProxyError(400, f"stop must be a string or a list of strings, got {stop!r}", "invalid_value", "stop")
-        params["stop"] = stops
+    params = {**defaults, "skip_special_tokens": True, "no_stop_trim": False, **oai.sampling_fields(body)}
+    _, seed = oai.choice_fields(body)
+    if seed is not None:
+        params["sampling_seed"] = seed
     return params
 
 
@@ -532,19 +487,20 @@ def _engine_message(body: str) -> str:
 
 # ---- responses ------------------------------------------------------------------------------
 def _completion(session: Session, turn: Turn, model: str) -> dict[str, Any]:
-    usage = {
-        "prompt_tokens": len(turn.prompt_ids),
-        "completion_tokens": len(turn.output_ids),
-        "total_tokens": len(turn.prompt_ids) + len(turn.output_ids),
-    }
-    finish = "tool_calls" if turn.message.get("tool_calls") else turn.finish_reason
     return {
         "id": f"chatcmpl-{session.session_id}-{len(session.turns)}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": turn.message, "finish_reason": finish, "logprobs": None}],
-        "usage": usage,
+        "choices": [
+            {
+                "index": 0,
+                "message": turn.message,
+                "finish_reason": oai.finish_reason(turn.message, turn.finish_reason),
+                "logprobs": None,
+            }
+        ],
+        "usage": oai.usage(len(turn.prompt_ids), len(turn.output_ids)),
     }
 
 
@@ -554,31 +510,24 @@ async def _stream(request: web.Request, completion: dict[str, Any], include_usag
     [choice] = completion["choices"]
     delta = {"role": "assistant", "content": choice["message"]["content"]}
     if choice["message"].get("tool_calls"):
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
+        delta["tool_calls"] = oai.tool_call_deltas(choice["message"]["tool_calls"])
     chunks = [
         head | {"choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]},
         head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None}]},
     ]
     if include_usage:
         chunks.append(head | {"choices": [], "usage": completion["usage"]})
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers=oai.SSE_HEADERS)
     await response.prepare(request)
     for chunk in chunks:
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
+        await response.write(oai.sse_event(chunk))
+    await response.write(oai.SSE_DONE)
     await response.write_eof()
     return response
 
 
-def _error_response(error: ProxyError) -> web.Response:
-    body = {
-        "error": {
-            "message": error.message,
-            "type": "invalid_request_error" if error.status < 500 else "server_error",
-            "param": error.param,
-            "code": error.code,
-        }
-    }
+def _error_response(error: oai.OpenAIError) -> web.Response:
+    body = oai.error_envelope(error.message, error.status, error.param, error.code)
     # OpenAI clients retry 5xx answers; a retried turn after an abort would only be aborted again.
     headers = {"x-should-retry": "false"} if error.status == 503 else None
     return web.json_response(body, status=error.status, headers=headers)
@@ -588,7 +537,7 @@ def _error_response(error: ProxyError) -> web.Response:
 async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ProxyError as error:
+    except oai.OpenAIError as error:
         return _error_response(error)
     except web.HTTPException as error:  # no such route, or the wrong method
         if error.status < 400:

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,14 +38,15 @@ from slime.backends.cpu_engine.protocol import (
     parse_generate_request,
     parse_sampling_params,
 )
-from slime.utils.tool_calls import TOOL_CALL_START, parse_tool_calls
+from slime.utils import openai_protocol as oai
+from slime.utils.openai_protocol import OpenAIError
+from slime.utils.tool_calls import TOOL_CALL_START
 
 logger = logging.getLogger(__name__)
 
 RunRequests = Callable[[CpuEngine, list[GenerationRequest], TokenWatch | None], Awaitable[list[GenerationRequest]]]
 ReadBody = Callable[[web.Request], Awaitable[dict[str, Any]]]
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields that would change the answer but are not implemented, with the value that means "off".
 _UNSUPPORTED = {
     "frequency_penalty": (0, 0.0),
@@ -75,47 +75,14 @@ _SGLANG_FIELDS = {
 }
 
 
-class OpenAIError(RequestError):
-    """A RequestError that also names the offending request field (`param`)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message, status)
-        self.param = param
-
-
 def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}.get(status)
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": None if status >= 500 else status}}
+    # `code` is the HTTP status, as SGLang's OpenAI server sends it.
+    return oai.error_envelope(message, status, param, None if status >= 500 else status)
 
 
 def error_response(message: str, status: int, param: str | None = None) -> web.Response:
-    """OpenAI's error body; `type` follows the status (invalid_request_error for 4xx)."""
+    """OpenAI's error body (see `slime.utils.openai_protocol.error_envelope`)."""
     return web.json_response(_error_body(message, status, param), status=status)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(body: dict, name: str, low: float, high: float, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise OpenAIError(f"'{name}' must be a number in [{low}, {high}], got {value!r}", name)
-    if not low <= value <= high:
-        raise OpenAIError(f"'{name}' must be in [{low}, {high}], got {value!r}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, low: int, high: int, default: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value) or not low <= value <= high:
-        raise OpenAIError(f"'{name}' must be an integer in [{low}, {high}], got {value!r}", name)
-    return value
 
 
 def _sampling(body: dict, engine: CpuEngine) -> dict[str, Any]:
@@ -126,22 +93,7 @@ def _sampling(body: dict, engine: CpuEngine) -> dict[str, Any]:
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise OpenAIError("'best_of' is not supported by the CPU engine; omit it or set it equal to 'n'", "best_of")
-    params: dict[str, Any] = {
-        "temperature": _number(body, "temperature", 0, 2, 1.0),
-        "top_p": _number(body, "top_p", 0, 1, 1.0),
-    }
-    if params["top_p"] == 0:
-        raise OpenAIError("'top_p' must be in (0, 1], got 0", "top_p")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, name, 0, engine.context_length, None)
-    if max_tokens is not None:
-        params["max_new_tokens"] = max_tokens
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-            raise OpenAIError(f"'stop' must be a non-empty string or a list of up to 4, got {stop!r}", "stop")
-        params["stop"] = stops
+    params = {"temperature": 1.0, "top_p": 1.0, **oai.sampling_fields(body, engine.context_length)}
     for name, native in _SGLANG_FIELDS.items():
         if body.get(name) is not None:
             try:  # checked here so the error names the field as the client spelled it
@@ -150,22 +102,6 @@ def _sampling(body: dict, engine: CpuEngine) -> dict[str, Any]:
                 raise OpenAIError(f"'{name}': {error.message}", name) from None
             params[native] = body[name]
     return params
-
-
-def _choices(body: dict) -> tuple[int, int | None]:
-    n = _integer(body, "n", 1, 128, 1)
-    seed = _integer(body, "seed", 0, 2**63 - 129, None)
-    return n, seed
-
-
-def _stream_options(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise OpenAIError(f"'stream' must be true or false, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise OpenAIError("'stream_options' must be an object", "stream_options")
-    return stream, bool(options.get("include_usage"))
 
 
 def _build_requests(
@@ -208,13 +144,7 @@ def _finish_reason(request: GenerationRequest) -> str:
 
 def _usage(prompts: list[list[int]], finished: list[GenerationRequest]) -> dict[str, int]:
     # As OpenAI counts: each prompt once, however many choices it has.
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(len(r.output_ids) for r in finished)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    return oai.usage(sum(len(p) for p in prompts), sum(len(r.output_ids) for r in finished))
 
 
 # (token id, its log-prob, its top log-probs [(token id, log-prob), ...]) for one generated token.
@@ -227,7 +157,7 @@ def _entries(request: GenerationRequest, tops: list[list[tuple[int, float]]] | N
 
 
 def _top_logprobs(body: dict, logprobs: bool) -> int:
-    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    top = oai.integer_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if top and not logprobs:
         raise OpenAIError("'top_logprobs' needs 'logprobs': true; send both or neither", "top_logprobs")
     return top
@@ -378,21 +308,17 @@ def _start_stream(
     return stream
 
 
-def _event(data: dict) -> bytes:
-    return f"data: {json.dumps(data)}\n\n".encode()
-
-
 async def _send_events(request: web.Request, chunks: AsyncIterator[dict]) -> web.StreamResponse:
     """Write `chunks` as server-sent events as they come, then `data: [DONE]`."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers=oai.SSE_HEADERS)
     await response.prepare(request)
     try:
         try:
             async for chunk in chunks:
-                await response.write(_event(chunk))
+                await response.write(oai.sse_event(chunk))
         except RequestError as error:
-            await response.write(_event(_error_body(error.message, error.status, getattr(error, "param", None))))
-        await response.write(b"data: [DONE]\n\n")
+            await response.write(oai.sse_event(_error_body(error.message, error.status)))
+        await response.write(oai.SSE_DONE)
         await response.write_eof()
     except ConnectionResetError:  # the client left; the caller aborts what still generates
         pass
@@ -403,14 +329,10 @@ async def _send_events(request: web.Request, chunks: AsyncIterator[dict]) -> web
 
 
 def _messages(body: dict) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError("'messages' must be a non-empty list of {'role', 'content'} objects", "messages")
+    """`messages` as the chat template takes them: content as text, tool-call arguments as mappings."""
     out = []
-    for i, message in enumerate(messages):
+    for i, message in enumerate(oai.messages_field(body)):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
-            raise OpenAIError(f"{where} must be an object with 'role' one of {', '.join(_ROLES)}", where)
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text is understood here
             if not all(
@@ -434,22 +356,9 @@ def _messages(body: dict) -> list[dict[str, Any]]:
 
 
 def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    ok = isinstance(tools, list) and all(
-        isinstance(t, dict)
-        and t.get("type") == "function"
-        and isinstance(t.get("function"), dict)
-        and isinstance(t["function"].get("name"), str)
-        for t in tools
-    )
-    if not ok:
-        raise OpenAIError("'tools' must be a list of {'type': 'function', 'function': {'name', ...}}", "tools")
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise OpenAIError("'tool_choice' must be 'auto' or 'none' on the CPU engine", "tool_choice")
-    return None if choice == "none" or not tools else tools
+    """The tools to render and parse calls of; none with `tool_choice: "none"`."""
+    tools = oai.tools_field(body)
+    return None if body.get("tool_choice") == "none" else tools
 
 
 def _chat_prompt(engine: CpuEngine, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -461,32 +370,12 @@ def _chat_prompt(engine: CpuEngine, messages: list[dict], tools: list[dict] | No
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _split_tool_calls(text: str, tools: list | None) -> tuple[str | None, list[dict]]:
-    """(content, OpenAI `tool_calls`) of an output; the text unchanged and [] without tools or calls."""
-    if not tools:
-        return text, []
-    content, calls = parse_tool_calls(text)
-    if not calls:
-        return text, []
-    return content, [
-        {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": c.name, "arguments": c.arguments},
-        }
-        for c in calls
-    ]
-
-
 def _chat_choice(
     index: int, request: GenerationRequest, engine: CpuEngine, tools: list | None, entries: list[TokenLogProb] | None
 ) -> dict:
-    content, calls = _split_tool_calls(_text(request, engine), tools)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = calls
-    finish = "tool_calls" if calls else _finish_reason(request)
+    message = oai.assistant_message(_text(request, engine), tools)
     logprobs = None if entries is None else _chat_logprobs(engine, entries)
+    finish = oai.finish_reason(message, _finish_reason(request))
     return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
 
@@ -511,7 +400,7 @@ def add_routes(
         async def wrapped(request: web.Request) -> web.StreamResponse:
             try:
                 return await handler(request)
-            except RequestError as error:
+            except (RequestError, OpenAIError) as error:
                 response = error_response(error.message, error.status, getattr(error, "param", None))
                 if error.status == 503:
                     response.headers["Retry-After"] = "1"
@@ -555,11 +444,9 @@ def add_routes(
         body = await read_body(request)
         messages, tools = _messages(body), _tools(body)
         params = _sampling(body, engine)
-        n, seed = _choices(body)
-        streaming, include_usage = _stream_options(body)
-        logprobs = body.get("logprobs") or False
-        if not isinstance(logprobs, bool):
-            raise OpenAIError(f"'logprobs' must be true or false, got {logprobs!r}", "logprobs")
+        n, seed = oai.choice_fields(body)
+        streaming, include_usage = oai.stream_fields(body)
+        logprobs = oai.bool_field(body, "logprobs")
         top_logprobs = _top_logprobs(body, logprobs)
         prompt = _chat_prompt(engine, messages, tools)
         requests = _build_requests(engine, [prompt], params, n, seed, logprobs)
@@ -594,16 +481,16 @@ def add_routes(
                 choice["logprobs"] = _chat_logprobs(engine, update.entries) if logprobs else None
                 if update.final:
                     request = update.choice.request
-                    _, calls = _split_tool_calls(_text(request, engine), tools)
-                    if calls:
-                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-                    choice["finish_reason"] = "tool_calls" if calls else _finish_reason(request)
+                    message = oai.assistant_message(_text(request, engine), tools)
+                    if message.get("tool_calls"):
+                        delta["tool_calls"] = oai.tool_call_deltas(message["tool_calls"])
+                    choice["finish_reason"] = oai.finish_reason(message, _finish_reason(request))
                 yield {**head, "choices": [choice]}
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage([prompt], requests)}
 
         def final_text(request: GenerationRequest) -> str:
-            return _split_tool_calls(_text(request, engine), tools)[0] or ""
+            return oai.assistant_message(_text(request, engine), tools)["content"] or ""
 
         markers = [TOOL_CALL_START] if tools else []
         return await stream(
@@ -615,9 +502,9 @@ def add_routes(
         body = await read_body(request)
         prompts = _completion_prompts(body, engine)
         params = _sampling(body, engine)
-        n, seed = _choices(body)
-        streaming, include_usage = _stream_options(body)
-        logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
+        n, seed = oai.choice_fields(body)
+        streaming, include_usage = oai.stream_fields(body)
+        logprobs = oai.integer_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
         top_logprobs = logprobs or 0
         requests = _build_requests(engine, prompts, params, n, seed, logprobs is not None)
         head = {
@@ -656,9 +543,7 @@ def add_routes(
         return await stream(request, requests, top_logprobs, chunks, final_text=lambda r: _text(r, engine))
 
     async def models(request: web.Request) -> web.Response:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "slime", "root": model_name}
-        card["max_model_len"] = engine.context_length
-        return web.json_response({"object": "list", "data": [card]})
+        return web.json_response(oai.model_list(model_name, root=model_name, max_model_len=engine.context_length))
 
     async def not_found(request: web.Request) -> web.Response:
         routes = "/v1/chat/completions, /v1/completions, /v1/models"
@@ -678,13 +563,13 @@ def _completion_prompts(body: dict, engine: CpuEngine) -> list[list[int]]:
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise bad
-    if all(_is_int(t) for t in prompt):
+    if all(oai.is_integer(t) for t in prompt):
         prompt = [prompt]
     out = []
     for item in prompt:
         if isinstance(item, str) and item:
             out.append(engine.tokenizer.encode(item))
-        elif isinstance(item, list) and item and all(_is_int(t) and 0 <= t < engine.vocab_size for t in item):
+        elif isinstance(item, list) and item and all(oai.is_integer(t) and 0 <= t < engine.vocab_size for t in item):
             out.append(item)
         else:
             raise bad
