@@ -15,6 +15,7 @@ from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import create_rollout_manager
 from slime.utils import run_dir
 from slime.utils.arguments import parse_args
+from slime.utils.run_context import RunContext, expose_to_plugins
 from slime.utils.tracking import Tracker, configure_logging
 
 # Data sources whose `save` writes `rollout/data_source_<id>.pt` (a custom one may keep its state elsewhere).
@@ -81,7 +82,8 @@ def create_training_run(args) -> TrainingRun:
     # pools from what is free, so they come up first, alone.
     rollout_manager = create_rollout_manager(args, slices["rollout"], wait_for_engines=args.colocate)
     num_rollout, num_rollout_per_epoch = ray.get(rollout_manager.get_num_rollout.remote())
-    args.num_rollout = num_rollout
+    # The trainers size their LR schedules from args.num_rollout, as upstream's do: resolved here for them.
+    expose_to_plugins(args, RunContext(num_rollout=num_rollout))
 
     actor = critic = None
     start_rollout_id = args.start_rollout_id or 0

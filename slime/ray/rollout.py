@@ -1,4 +1,5 @@
-"""RolloutManager: the Ray actor that owns the router, the engines, the data source and the rollout function.
+"""RolloutManager: the Ray actor that owns the data source, the rollout and eval functions and the run context;
+its EnginePool (slime/ray/engine_pool.py) owns the router and the engines.
 
 `generate(rollout_id)` runs the rollout function, turns its samples into the train data dict,
 splits it across data-parallel ranks and returns one object ref per rank.
@@ -6,42 +7,29 @@ splits it across data-parallel ranks and returns one object ref per rank.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import copy
 import logging
 import math
 import os
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import ray
 import torch
 
 from slime.algorithms.advantages import group_baseline_rewards
-from slime.backends.sglang_utils.engine_actor import RolloutEngine
-from slime.backends.sglang_utils.engine_command_line import engine_api_key
-from slime.backends.sglang_utils.http_client import EngineClient
-from slime.backends.sglang_utils.router import (
-    add_worker,
-    remove_worker,
-    router_is_healthy,
-    start_router,
-    wait_for_workers,
-)
-from slime.ray.engine_health import EngineHealthMonitor
+from slime.ray.engine_pool import EnginePool
+from slime.ray.engine_pool import wait_for_external_engines as wait_for_external_engines  # its old home
 from slime.ray.placement_group import PlacementSlice
-from slime.rollout import fully_async_rollout
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import compute_num_rollout
 from slime.rollout.rm_hub import pop_reward_metrics
 from slime.utils import progress as rollout_progress
-from slime.utils.http_utils import wait_until_healthy
 from slime.utils.misc import load_function
+from slime.utils.run_context import RunContext, expose_to_plugins
 from slime.utils.seqlen_balancing import balanced_partitions
 from slime.utils.types import Sample, Status
 
@@ -228,236 +216,119 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None, elapsed: floa
     }
 
 
-class RolloutManager:
-    """Owns router, engines, data source and rollout function. Created as a Ray actor by `create_rollout_manager`."""
+def start_rollout(path: str, args, context: RunContext, data_source):
+    """The `--rollout-function-path` (or `--eval-function-path`) target at `path`, ready to be called as
+    `rollout(args, rollout_id, data_source, evaluation=False)`.
 
-    def __init__(self, args, rollout_slice: PlacementSlice):
+    A plain function is returned as is. A function with a `lifecycle` attribute (a class) has a life beyond each
+    call: `lifecycle(args, context, data_source)` is built once and returned, and the manager calls what it
+    defines of these:
+
+    - `generates_in_background` (bool): it generates between calls (the driver asks for each batch only when it
+      trains on it);
+    - `on_weights_updated(version)`: the trainer pushed weights `version`;
+    - `save(rollout_id)`: save the data source for checkpoint `rollout_id` in its stead;
+    - `close()`: stop whatever it runs (on dispose).
+    """
+    fn = load_function(path)
+    lifecycle = getattr(fn, "lifecycle", None)
+    return fn if lifecycle is None else lifecycle(args, context, data_source)
+
+
+class RolloutManager:
+    """Owns the data source, the rollout and eval functions and the run context; the router and engines are its
+    `EnginePool`'s. Created as a Ray actor by `create_rollout_manager`."""
+
+    def __init__(self, args, rollout_slice: PlacementSlice | None):
         self.args = args
-        self.router = None
-        self.engines: list = []
-        self.engine_urls: list[str] = []
+        self.engine_pool = EnginePool(args, rollout_slice, on_engine_restarted=self._expose_context)
         self.state_before_rollout: tuple[int, dict] | None = None  # (rollout id, data source state)
-        # --use-fault-tolerance: engines being restarted, restarted ones not yet given the current weights.
-        self.monitor: EngineHealthMonitor | None = None
-        self.num_engine_restarts = 0
-        self._recovering: set[int] = set()
-        self._awaiting_weights: set[int] = set()
-        self._restarted_at: dict[int, float] = {}
-        self._recovery_changed = threading.Condition()
-        self._engines_started: concurrent.futures.Future | None = None
+        self.trainer_weight_version: int | None = None
         if not args.debug_train_only:
-            # Router and engines come up on a thread while the driver builds the trainers: the two are most of a
-            # run's start-up. Whatever needs the engines waits for them (`wait_for_engines`).
-            starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="start-engines")
-            self._engines_started = starter.submit(self._start_engines, rollout_slice)
-            starter.shutdown(wait=False)
+            self.engine_pool.start_in_background()  # whatever needs the engines waits for them (`wait_for_engines`)
         self.data_source = load_function(args.data_source_path)(args)
-        if args.num_rollout is None:
-            args.num_rollout = compute_num_rollout(args, len(self.data_source))
-        self.rollout_fn = load_function(args.rollout_function_path)
-        self.eval_fn = load_function(args.eval_function_path)
+        # --num-rollout wins over --num-epoch (validation warns of both).
+        num_rollout = (
+            args.num_rollout if args.num_rollout is not None else compute_num_rollout(args, len(self.data_source))
+        )
+        self.context = RunContext(
+            num_rollout=num_rollout,
+            engine_urls_source=lambda: self.engine_pool.engine_urls,
+            weight_version_source=lambda: self.trainer_weight_version,
+        )
+        self._expose_context()
+        # Started once the engines are up (the context then knows the router): `wait_for_engines`.
+        self.rollout_fn = self.eval_fn = None
+
+    def _expose_context(self) -> None:
+        expose_to_plugins(self.args, self.context)
+
+    @property
+    def router(self):
+        """The router's handle (None before the engines are up, or without engines)."""
+        return self.engine_pool.router
 
     # ---- engines -------------------------------------------------------------------------
-    def _start_engines(self, rollout_slice: PlacementSlice) -> None:
-        args = self.args
-        self.router = start_router(args)
-        router_address = urlparse(self.router.url)
-        args.sglang_router_ip, args.sglang_router_port = router_address.hostname, router_address.port
-        per_engine = args.rollout_num_gpus_per_engine
-        num_engines = max(1, len(rollout_slice) // per_engine)
-        self.rollout_slice = rollout_slice
-        external = args.rollout_external_engine_addrs
-        # Engines the user started are only routed to and given weights, through plain clients.
-        if external:
-            self.engines = [self._engine_client(url) for url in external]
-        else:
-            self.engines = [self._create_engine(rank) for rank in range(num_engines)]
-        try:
-            if external:
-                self.engine_urls = wait_for_external_engines(external, args.rollout_engine_start_timeout)
-            else:
-                self.engine_urls = ray.get(
-                    [engine.start.remote(timeout=args.rollout_engine_start_timeout) for engine in self.engines]
-                )
-            for url in self.engine_urls:
-                add_worker(self.router.url, url, api_key=engine_api_key(args))
-            wait_for_workers(self.router.url, self.engine_urls, timeout=args.rollout_engine_start_timeout)
-        except Exception:
-            self.dispose()
-            raise
-        args.rollout_engine_urls = self.engine_urls
-        logger.info("router %s with engines %s", self.router.url, self.engine_urls)
-        if args.use_fault_tolerance:
-            self.monitor = EngineHealthMonitor(
-                lambda: [self._engine_client(url) for url in self.engine_urls],
-                self._recover_engine,
-                interval=args.rollout_health_check_interval,
-                timeout=args.rollout_health_check_timeout,
-                first_wait=args.rollout_health_check_first_wait,
-            )
-            self.monitor.start()
-
-    def _create_engine(self, rank: int):
-        """A RolloutEngine actor for engine `rank`, pinned to that engine's first bundle."""
-        args, rollout_slice = self.args, self.rollout_slice
-        per_engine = args.rollout_num_gpus_per_engine
-        # Colocated engines share each bundle with a trainer rank, so each takes a fraction of it.
-        share = 0.2 if args.colocate else 1.0
-        options: dict[str, Any] = {"num_cpus": share}
-        # 127.0.0.1, or its node's IP on a multi-node cluster: the router and the trainer reach it there.
-        kwargs: dict[str, Any] = {"backend": args.rollout_backend, "host": rollout_slice.host(rank * per_engine)}
-        if rollout_slice.use_gpu:
-            options |= {
-                "num_gpus": share,
-                "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
-            }
-            kwargs["base_gpu_id"] = rollout_slice.gpu_ids[rank * per_engine]
-        if rollout_slice.pg is not None:
-            options["scheduling_strategy"] = rollout_slice.strategy(rank * per_engine)
-        return ray.remote(RolloutEngine).options(**options).remote(args, rank, **kwargs)
-
-    def _engine_client(self, url: str) -> EngineClient:
-        return EngineClient(url, api_key=engine_api_key(self.args))
-
-    # ---- fault tolerance -----------------------------------------------------------------
-    def _recover_engine(self, index: int, reason: str, probe_started: float = float("inf")) -> None:
-        """Take a failed engine out of the router and restart it on its own bundle (monitor thread).
-
-        The restarted engine still serves the checkpoint's weights, so it only goes back into the
-        router in `readmit_engines`, after the trainer has pushed the current weights to it.
-        """
-        with self._recovery_changed:
-            # The monitor thread and probe_now may both report one failure; a probe older than the last
-            # restart of this engine says nothing about the restarted one.
-            if index in self._recovering or probe_started < self._restarted_at.get(index, float("-inf")):
-                return
-            self._recovering.add(index)
-        url = self.engine_urls[index]
-        try:
-            logger.warning("engine %d (%s) failed (%s): restarting it", index, url, reason)
-            with contextlib.suppress(ValueError):  # not registered (yet): nothing to remove
-                remove_worker(self.router.url, url)
-            engine = self.engines[index]
-            try:
-                ray.get(engine.shutdown.remote(), timeout=60)
-            except Exception:  # the actor itself is gone or stuck: replace it on the same bundle
-                ray.kill(engine, no_restart=True)
-                engine = self._create_engine(index)
-            new_url = ray.get(engine.start.remote(timeout=self.args.rollout_engine_start_timeout))
-            self.engines[index], self.engine_urls[index] = engine, new_url
-            self.args.rollout_engine_urls = self.engine_urls
-            with self._recovery_changed:
-                self._awaiting_weights.add(index)
-                self.num_engine_restarts += 1
-                self._restarted_at[index] = time.monotonic()
-            logger.warning(
-                "engine %d restarted at %s; it rejoins the router after the next weight push", index, new_url
-            )
-        finally:
-            with self._recovery_changed:
-                self._recovering.discard(index)
-                self._recovery_changed.notify_all()
-
-    def engines_awaiting_weights(self, timeout: float | None = None) -> list[int]:
-        """Indices of restarted engines that need the current weights, once running restarts are done.
-
-        Raises:
-            TimeoutError: A restart is still running after `timeout` seconds.
-        """
-        timeout = self.args.rollout_engine_start_timeout + 120 if timeout is None else timeout
-        with self._recovery_changed:
-            if not self._recovery_changed.wait_for(lambda: not self._recovering, timeout=timeout):
-                raise TimeoutError(f"engines {sorted(self._recovering)} are still restarting after {timeout:.0f} s")
-            return sorted(self._awaiting_weights)
-
-    def readmit_engines(self, indices: list[int]) -> None:
-        """Put restarted engines, which now hold the current weights, back into the router."""
-        urls = [self.engine_urls[i] for i in indices]
-        for url in urls:
-            add_worker(self.router.url, url, api_key=engine_api_key(self.args))
-        wait_for_workers(self.router.url, urls, timeout=self.args.rollout_engine_start_timeout)
-        with self._recovery_changed:
-            self._awaiting_weights -= set(indices)
-        logger.info("engines %s are back in the router", urls)
-
     def wait_for_engines(self) -> None:
-        """Block until router and engines are up; re-raises the error that stopped them from starting."""
-        if self._engines_started is not None:
-            self._engines_started.result()
+        """Block until router and engines are up, then start the rollout functions; re-raises the error that
+        stopped the engines from starting."""
+        self.engine_pool.wait()
+        if self.rollout_fn is not None:
+            return
+        host, port = self.engine_pool.router_address()
+        self.context = replace(self.context, router_host=host, router_port=port)
+        self._expose_context()
+        args = self.args
+        self.rollout_fn = start_rollout(args.rollout_function_path, args, self.context, self.data_source)
+        self.eval_fn = (
+            self.rollout_fn
+            if args.eval_function_path == args.rollout_function_path
+            else start_rollout(args.eval_function_path, args, self.context, self.data_source)
+        )
 
     def get_engines(self) -> list:
         self.wait_for_engines()
-        return self.engines
+        return self.engine_pool.engines
 
     def get_engine_urls(self) -> list[str]:
         self.wait_for_engines()
-        return self.engine_urls
+        return self.engine_pool.engine_urls
 
     def get_num_rollout(self) -> tuple[int, int]:
         """(total rollouts of the run, rollouts per epoch); `--num-epoch` resolves against the dataset size."""
         per_epoch = max(len(self.data_source) // self.args.rollout_batch_size, 1)
-        return self.args.num_rollout, per_epoch
+        return self.context.num_rollout, per_epoch
 
     def dead_engines(self) -> list[int]:
         """Indices of engines whose server process has exited or no longer answers GET /health."""
-        dead = []
-        for index, engine in enumerate(self.engines):
-            try:
-                # An external engine has no process here to watch: its /health below is all there is.
-                alive = bool(self.args.rollout_external_engine_addrs) or ray.get(engine.is_alive.remote(), timeout=30)
-            except Exception:  # the actor itself is gone
-                alive = False
-            # The process check alone can lag a SIGKILL (or watch a launcher whose server child died); an
-            # engine that cannot answer /health would fail the next weight push, so it counts as dead too.
-            if not alive or not self._engine_client(self.engine_urls[index]).health(timeout=10):
-                dead.append(index)
-        return dead
+        return self.engine_pool.dead_engines()
+
+    def engines_awaiting_weights(self, timeout: float | None = None) -> list[int]:
+        """Indices of engines restarted by `--use-fault-tolerance` that need the current weights (see EnginePool)."""
+        return self.engine_pool.engines_awaiting_weights(timeout)
+
+    def readmit_engines(self, indices: list[int]) -> None:
+        """Put restarted engines, which now hold the current weights, back into the router."""
+        self.engine_pool.readmit(indices)
 
     def _call_rollout_fn(self, fn, rollout_id: int, evaluation: bool):
         try:
             output = fn(self.args, rollout_id, self.data_source, evaluation=evaluation)
         except Exception as e:
-            problem = self._serving_problem(rollout_id)
+            problem = self.engine_pool.serving_problem(rollout_id)
             if problem:
                 raise RuntimeError(f"{problem} (the rollout failed with {type(e).__name__}: {e})") from e
             raise
-        if self.monitor is not None:
-            # An engine may have died after the monitor's last round (the rollout finished on the others):
-            # probe now, then let restarts finish, so offloading and the next weight push see every engine.
-            self.monitor.probe_now()
-            self.engines_awaiting_weights()
-            return output
-        # The router may have retried a dead engine's requests elsewhere; the run still cannot go on without it
-        # (weight updates would miss it), so a death is an error even when the rollout itself succeeded.
-        problem = self._serving_problem(rollout_id)
-        if problem:
-            raise RuntimeError(problem)
+        self.engine_pool.check_after_rollout(rollout_id)
         return output
-
-    def _serving_problem(self, rollout_id: int) -> str | None:
-        """What stops the engines from serving: a dead router or dead engines (None when all is well)."""
-        if self.router is not None and not router_is_healthy(self.router):
-            return (
-                f"rollout {rollout_id}: {self.router.describe_failure()}; resume from the last checkpoint with --load"
-            )
-        dead = self.dead_engines() if self.engines else []
-        if not dead:
-            return None
-        names = ", ".join(f"engine {i} ({self.engine_urls[i]})" for i in dead)
-        fix = (
-            "they could not be restarted in time"
-            if self.monitor is not None
-            else "pass --use-fault-tolerance to restart dead engines and go on"
-        )
-        return f"rollout {rollout_id}: inference {names} died; {fix}. Check the engine logs (in $TMPDIR/slime_logs) and resume from the last checkpoint with --load"
 
     # ---- rollout -------------------------------------------------------------------------
     def generate(self, rollout_id: int, dp_size: int = 1) -> RolloutBatch:
         """Run one training rollout and return per-rank train data refs and metrics."""
         self.wait_for_engines()
         started = time.time()
-        # A fully async rollout's loop draws from the data source on its own thread meanwhile: `save` asks it instead.
-        if hasattr(self.data_source, "state_dict") and fully_async_rollout.current_worker() is None:
+        # A rollout generating in the background draws from the data source on its own thread: it saves it itself.
+        if hasattr(self.data_source, "state_dict") and not self.generates_in_background():
             self.state_before_rollout = (rollout_id, copy.deepcopy(self.data_source.state_dict()))
         args = self.args
         if args.load_debug_rollout_data:
@@ -483,11 +354,7 @@ class RolloutManager:
         else:
             metrics = {**rollout_metrics(samples, args.reward_key, elapsed), **extra_metrics}
             metrics |= reward_breakdown_metrics(args, groups, args.reward_key, "rollout")
-        metrics |= pop_reward_metrics()
-        if self.monitor is not None:
-            metrics["rollout/engine_restarts"] = self.num_engine_restarts
-        if self.engines and not args.rollout_external_engine_addrs:  # not measurable from here for external ones
-            metrics["perf/engine_peak_memory_gb"] = max(ray.get([e.peak_memory_gb.remote() for e in self.engines]))
+        metrics |= pop_reward_metrics() | self.engine_pool.metrics()
         if args.debug_rollout_only:
             return RolloutBatch(rollout_id, [], metrics)
         data = convert_samples_to_train_data(args, samples)
@@ -503,14 +370,23 @@ class RolloutManager:
         return rollout_progress.snapshot()
 
     def generates_in_background(self) -> bool:
-        """True once the rollout function runs a background generation loop (the fully async rollout): the
-        driver then asks for each batch only when it is about to train on it."""
-        return fully_async_rollout.current_worker() is not None
+        """True when the rollout function generates between calls (the fully async rollout): the driver then asks
+        for each batch only when it is about to train on it."""
+        self.wait_for_engines()
+        return bool(getattr(self.rollout_fn, "generates_in_background", False))
 
     def set_trainer_weight_version(self, version: int) -> None:
-        """Tell the rollout function the weight version the trainer trains from (the driver calls it after each
-        push); the fully async rollout measures staleness against it (`args.trainer_weight_version`)."""
-        fully_async_rollout.set_trainer_weight_version(self.args, version)
+        """Record the weight version the trainer trains from (the driver calls it after each push; the run context
+        gives it) and tell the rollout functions that follow pushes (`on_weights_updated`)."""
+        self.trainer_weight_version = version
+        for fn in self._started_rollouts():
+            if hasattr(fn, "on_weights_updated"):
+                fn.on_weights_updated(version)
+
+    def _started_rollouts(self) -> list:
+        """The rollout and eval functions started so far, each once."""
+        started = [self.rollout_fn] + ([self.eval_fn] if self.eval_fn is not self.rollout_fn else [])
+        return [fn for fn in started if fn is not None]
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         """Run every eval set; returns `eval/<name>` mean reward and truncation rate."""
@@ -589,14 +465,13 @@ class RolloutManager:
         """Save the data source as it stood when rollout `rollout_id` was complete.
 
         train_async.py draws rollout k+1 before it saves step k, so the state from before that
-        draw is saved then; a resumed run redraws rollout k+1's prompts. A fully async rollout's groups
-        not handed to the trainer yet (in flight or finished) are put back into the saved state as fresh
-        prompts, so a resumed run generates them again.
+        draw is saved then; a resumed run redraws rollout k+1's prompts. A rollout function with a `save`
+        (the fully async one: its groups not handed to the trainer yet go into the checkpoint as fresh prompts)
+        saves the data source itself.
         """
-        worker = fully_async_rollout.current_worker()
-        if worker is not None:
-            with worker.held_draws() as untrained:
-                fully_async_rollout.save_data_source(self.data_source, rollout_id, untrained)
+        self.wait_for_engines()
+        if hasattr(self.rollout_fn, "save"):
+            self.rollout_fn.save(rollout_id)
             return
         drawn_next = self.state_before_rollout is not None and self.state_before_rollout[0] == rollout_id + 1
         if not drawn_next:
@@ -614,50 +489,21 @@ class RolloutManager:
 
     def offload(self) -> None:
         self.wait_for_engines()
-        if self.monitor is not None:
-            self.monitor.pause()  # released engines answer health checks with 503 by design
-        ray.get([engine.release_memory_occupation.remote() for engine in self.engines])
+        self.engine_pool.offload()
 
     def onload(self) -> None:
         self.wait_for_engines()
-        ray.get([engine.resume_memory_occupation.remote() for engine in self.engines])
-        if self.monitor is not None:
-            self.monitor.resume()
+        self.engine_pool.onload()
 
     def dispose(self) -> None:
-        """Stop the rollout's background loop, engines and router; leaves no process behind."""
-        if self._engines_started is not None:
-            with contextlib.suppress(Exception):  # a failed start has cleaned up after itself
-                self._engines_started.result()
-        fully_async_rollout.stop_worker()
-        if self.monitor is not None:
-            self.monitor.stop()
-            self.monitor = None
-        if self.engines and not self.args.rollout_external_engine_addrs:  # never stop engines the user started
-            ray.get([engine.shutdown.remote() for engine in self.engines])
-            for engine in self.engines:
-                ray.kill(engine)
-        self.engines = []
-        if self.router is not None:
-            self.router.stop()
-            self.router = None
-
-
-def wait_for_external_engines(urls: list[str], timeout: float) -> list[str]:
-    """Wait until every engine of `--rollout-external-engine-addrs` answers GET /health; returns `urls`.
-
-    Raises:
-        TimeoutError: naming the engine that did not answer and the flags to check.
-    """
-    for url in urls:
-        try:
-            wait_until_healthy(f"{url}/health", timeout)
-        except TimeoutError as e:
-            raise TimeoutError(
-                f"--rollout-external-engine-addrs: engine {url} did not answer GET /health within "
-                f"--rollout-engine-start-timeout {timeout:g} s; start it first, or fix the address ({e})"
-            ) from None
-    return list(urls)
+        """Close the rollout functions (a background loop stops), then the engines and router; leaves no process
+        behind."""
+        with contextlib.suppress(Exception):  # a failed start has cleaned up after itself
+            self.engine_pool.wait()
+        for fn in self._started_rollouts():
+            if hasattr(fn, "close"):
+                fn.close()
+        self.engine_pool.dispose()
 
 
 def create_rollout_manager(args, rollout_slice: PlacementSlice, wait_for_engines: bool = True):

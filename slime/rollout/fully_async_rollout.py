@@ -2,7 +2,8 @@
 
     python train_async.py --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async ...
 
-The first training call starts the loop on the process's shared asyncio thread. It keeps up to
+The rollout manager starts a `FullyAsyncRollout` (the function's `lifecycle`), which owns the loop; its first
+training call starts the loop on the process's shared asyncio thread. It keeps up to
 `--over-sampling-batch-size` prompt groups (default `--rollout-batch-size`) in the pipeline, in flight or
 finished and waiting, drawing prompts from the data source one group at a time; each call hands the
 trainer the first `--rollout-batch-size` finished groups and returns, while the loop refills.
@@ -12,8 +13,8 @@ again at once, and the engines hold it until the push is over. With `--partial-r
 partial response (its `weight_versions` then name both weights), otherwise it starts over from the prompt.
 
 Staleness: every sample records the weight version of each generation (`Sample.weight_versions`, from the
-engine's `meta_info.weight_version`); the trainer numbers its pushes 1, 2, ... and the rollout manager tells
-this module the version being trained after each push (`set_trainer_weight_version`). A group's staleness is
+engine's `meta_info.weight_version`); the trainer numbers its pushes 1, 2, ... and the run context gives the
+version being trained (the rollout manager calls `on_weights_updated` after each push). A group's staleness is
 that version minus the oldest version among its samples. With `--max-weight-staleness N`, a group over N is
 never handed to the trainer: `--staleness-policy drop` puts its prompts back into the data source (served
 first by the buffer), `regenerate` generates it again at once under the current weights. N = 0 trains on
@@ -49,15 +50,18 @@ from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer
 from slime.rollout.rm_hub import batched_async_rm
 from slime.rollout.sglang_rollout import (
+    DefaultRollout,
+    RolloutState,
+    finish_rollout_batch,
     generate_and_rm,
-    generate_rollout,
     get_state,
     reset_to_prompt,
     sampling_params_from_args,
+    start_state,
 )
 from slime.utils import progress
 from slime.utils.async_utils import get_event_loop, run
-from slime.utils.misc import load_function
+from slime.utils.run_context import RunContext
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -127,7 +131,8 @@ def split_stale(
     if trainer_version is None:
         raise ValueError(
             "--max-weight-staleness: the trainer's weight version is unknown; train.py and train_async.py tell the "
-            "rollout manager after each push, a custom driver must call RolloutManager.set_trainer_weight_version"
+            "rollout manager after each push, a custom driver must call RolloutManager.set_trainer_weight_version "
+            "(outside a manager: give the rollout a RunContext whose weight_version_source knows it)"
         )
     fresh, stale = [], []
     for group in groups:
@@ -165,19 +170,20 @@ class FullyAsyncWorker:
 
     Args:
         args: Parsed arguments; reads rollout_batch_size, over_sampling_batch_size (the pipeline's capacity),
-            max_weight_staleness, staleness_policy, partial_rollout, group_rm, dynamic_sampling_filter_path,
-            and trainer_weight_version (set by `set_trainer_weight_version`).
+            max_weight_staleness, staleness_policy, partial_rollout, group_rm, dynamic_sampling_filter_path.
         data_source: Where prompt groups come from and dropped ones go back to (it needs a buffer).
+        state: The rollout state its generations use (hooks, concurrency cap).
+        context: The run's context: the trainer's weight version staleness is judged against.
     """
 
-    def __init__(self, args, data_source):
+    def __init__(self, args, data_source, state: RolloutState, context: RunContext):
         if isinstance(data_source, RolloutDataSource) and not isinstance(data_source, RolloutDataSourceWithBuffer):
             raise ValueError(
                 "the fully async rollout puts prompt groups back into the data source (stale groups, saves), which "
                 f"{type(data_source).__name__} cannot take: use --data-source-path "
                 "slime.rollout.data_source.RolloutDataSourceWithBuffer (the default)"
             )
-        self.args, self.data_source = args, data_source
+        self.args, self.data_source, self.state, self.context = args, data_source, state, context
         self.capacity = args.over_sampling_batch_size or args.rollout_batch_size
         self.sampling_params = sampling_params_from_args(args)
         self.loop = get_event_loop()
@@ -198,7 +204,7 @@ class FullyAsyncWorker:
     # ---- loop thread -------------------------------------------------------------------------
     async def _run(self) -> None:
         try:
-            await get_state(self.args).ensure_started()
+            await self.state.ensure_started()
             while True:
                 self._fill()
                 await self._wake_loop.wait()
@@ -251,7 +257,7 @@ class FullyAsyncWorker:
                 self._fail(task.exception())
                 return
             group.samples = task.result()
-            dynamic_filter = get_state(self.args).dynamic_filter
+            dynamic_filter = self.state.dynamic_filter
             if dynamic_filter is not None:
                 verdict = dynamic_filter(self.args, group.samples)
                 if not (verdict if isinstance(verdict, bool) else verdict.keep):
@@ -277,7 +283,7 @@ class FullyAsyncWorker:
         """Generate and score one sample, sending it again after each abort (a weight push aborts it once)."""
         prompt = reset_to_prompt(sample)
         # Only the built-in generate continues a partial response; custom and agent generations start over.
-        custom = get_state(self.args).custom_generate is not None or getattr(self.args, "agent_function_path", None)
+        custom = self.state.custom_generate is not None or getattr(self.args, "agent_function_path", None)
         can_continue = self.args.partial_rollout and not custom
         for _ in range(MAX_ABORTS_PER_SAMPLE):
             result = await generate_and_rm(self.args, sample, self.sampling_params)
@@ -299,7 +305,7 @@ class FullyAsyncWorker:
         """Take the finished groups over the staleness bound out of the pipeline, per `--staleness-policy`."""
         if self.held or self.args.max_weight_staleness is None or not self.finished:
             return
-        version = getattr(self.args, "trainer_weight_version", None)
+        version = self.context.trainer_weight_version()
         _, stale = split_stale([g.samples for g in self.finished], version, self.args.max_weight_staleness)
         if not stale:
             return
@@ -338,21 +344,12 @@ class FullyAsyncWorker:
             self.idle_time += now - self.idle_since
             self.idle_since = now
 
-        def by_group_index(group: list[Sample]) -> int:
-            return group[0].group_index if group[0].group_index is not None else 0
-
         for group in kept:
             for sample in group:
                 sample.rollout_id = rollout_id
-        kept.sort(key=by_group_index)
         self.next_rollout_id = rollout_id + 1
         # User hooks run here, on the loop, so that none touches the data source while the loop draws from it.
-        sample_filter = getattr(self.args, "rollout_sample_filter_path", None)
-        if sample_filter:  # f(args, groups) sets remove_sample on the samples not to train on
-            load_function(sample_filter)(self.args, kept)
-        process_all = getattr(self.args, "rollout_all_samples_process_path", None)
-        if process_all:  # f(args, groups, data_source), the groups the dynamic filter dropped included
-            load_function(process_all)(self.args, sorted(kept + self.filtered, key=by_group_index), self.data_source)
+        kept = finish_rollout_batch(self.args, kept, self.filtered, self.data_source)
         metrics = {
             "rollout/batch_wait_time": now - started,
             "rollout/generation_wait_time": self.idle_time,
@@ -362,7 +359,7 @@ class FullyAsyncWorker:
             "rollout/aborted_requests": float(self.counts["aborted"]),
             "rollout/pipeline_groups": float(len(self.in_flight) + len(self.finished)),
         }
-        metrics |= staleness_metrics(kept, getattr(self.args, "trainer_weight_version", None))
+        metrics |= staleness_metrics(kept, self.context.trainer_weight_version())
         self.filtered, self.idle_time = [], 0.0
         self.counts = dict.fromkeys(self.counts, 0)
         return RolloutFnTrainOutput(samples=kept, metrics=metrics)
@@ -421,29 +418,6 @@ class FullyAsyncWorker:
         run(self._stop())
 
 
-_WORKER: FullyAsyncWorker | None = None
-
-
-def current_worker() -> FullyAsyncWorker | None:
-    """The running background loop of this process, if a fully async rollout started one."""
-    return _WORKER
-
-
-def stop_worker() -> None:
-    """Stop this process's background loop (the rollout manager does so on dispose)."""
-    global _WORKER
-    if _WORKER is not None:
-        worker, _WORKER = _WORKER, None
-        worker.stop()
-
-
-def set_trainer_weight_version(args, version: int) -> None:
-    """Record the weight version the trainer trains from (the rollout manager calls it after each push)."""
-    args.trainer_weight_version = version
-    if _WORKER is not None:
-        _WORKER.version_changed()
-
-
 def save_data_source(data_source, rollout_id: int, untrained: list[list[Sample]]) -> None:
     """Save the data source as if the `untrained` groups had been put back; the live data source is left as it was.
 
@@ -467,8 +441,77 @@ def save_data_source(data_source, rollout_id: int, untrained: list[list[Sample]]
         data_source.load_state_dict(live)
 
 
+class FullyAsyncRollout:
+    """The fully async rollout as the rollout manager runs it: it owns the background loop, hears of weight pushes,
+    saves the data source with its pipeline put back, and stops the loop on close.
+
+    Args:
+        args: Parsed slime arguments (see `FullyAsyncWorker`).
+        context: The run's context (the trainer's weight version, the engines).
+        data_source: Source of prompt groups; it feeds the loop for good.
+    """
+
+    # The driver asks for each batch only when it is about to train on it (train_async.py).
+    generates_in_background = True
+
+    def __init__(self, args, context: RunContext, data_source):
+        self.context, self.data_source = context, data_source
+        self.eval_rollout = DefaultRollout(args, context, data_source)
+        self.worker: FullyAsyncWorker | None = None
+
+    def __call__(self, args, rollout_id: int, data_source, evaluation: bool = False):
+        """`--rollout-batch-size` groups from the loop (started by the first call), or the default eval.
+
+        Returns:
+            `RolloutFnTrainOutput` with the loop's metrics since the last call (staleness_mean/max, stale_groups,
+            batch_wait_time, generation_wait_time, ...), or the eval output.
+        """
+        if evaluation:
+            return self.eval_rollout(args, rollout_id, data_source, evaluation=True)
+        if data_source is not self.data_source:
+            raise ValueError("the fully async loop draws from the data source it was started with, not this one")
+        if self.worker is None:
+            self.worker = FullyAsyncWorker(args, data_source, start_state(args, self.context), self.context)
+        return self.worker.take(rollout_id, args.rollout_batch_size)
+
+    def on_weights_updated(self, version: int) -> None:
+        """The trainer pushed weights `version` (the context tells it from now on): re-judge the finished groups."""
+        if self.worker is not None:
+            self.worker.version_changed()
+
+    def save(self, rollout_id: int) -> None:
+        """Save the data source with the groups not handed to the trainer yet put back as fresh prompts (in the
+        checkpoint only: the live loop keeps them)."""
+        if self.worker is None:
+            self.data_source.save(rollout_id)
+            return
+        with self.worker.held_draws() as untrained:
+            save_data_source(self.data_source, rollout_id, untrained)
+
+    def close(self) -> None:
+        """Stop the loop and every generation in flight."""
+        if self.worker is not None:
+            worker, self.worker = self.worker, None
+            worker.stop()
+
+
+# A script or test that calls `generate_rollout_fully_async` itself (no rollout manager) gets one rollout per
+# process, on this process's rollout state; `stop_worker` ends it. The rollout manager starts its own through
+# `lifecycle` and never touches this one.
+_DIRECT: FullyAsyncRollout | None = None
+
+
+def stop_worker() -> None:
+    """Stop the loop of the direct calls of this process, if one runs."""
+    global _DIRECT
+    if _DIRECT is not None:
+        rollout, _DIRECT = _DIRECT, None
+        rollout.close()
+
+
 def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation: bool = False):
-    """`--rollout-function-path` entry of the fully async rollout.
+    """`--rollout-function-path` entry of the fully async rollout. The rollout manager runs a `FullyAsyncRollout` of
+    its own (this function's `lifecycle`); called directly, this is the process's one (see `_DIRECT`).
 
     Args:
         args: Parsed slime arguments (see `FullyAsyncWorker`).
@@ -480,11 +523,10 @@ def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation:
         `RolloutFnTrainOutput` with `--rollout-batch-size` groups and the loop's metrics since the last call
         (staleness_mean/max, stale_groups, batch_wait_time, generation_wait_time, ...), or the eval output.
     """
-    global _WORKER
-    if evaluation:
-        return generate_rollout(args, rollout_id, data_source, evaluation=True)
-    if _WORKER is None:
-        _WORKER = FullyAsyncWorker(args, data_source)
-    elif _WORKER.data_source is not data_source:
-        raise ValueError("the fully async loop of this process draws from another data source; call stop_worker()")
-    return _WORKER.take(rollout_id, args.rollout_batch_size)
+    global _DIRECT
+    if _DIRECT is None:
+        _DIRECT = FullyAsyncRollout(args, get_state(args).context, data_source)
+    return _DIRECT(args, rollout_id, data_source, evaluation)
+
+
+generate_rollout_fully_async.lifecycle = FullyAsyncRollout

@@ -11,6 +11,9 @@ another group is drawn in its place. Without `--rollout-max-response-len` a resp
 context (`--rollout-max-context-len`, else the engine's).
 
 Eval: every `--eval-prompt-data` set, `--n-samples-per-eval-prompt` responses per prompt.
+
+The rollout manager starts a `DefaultRollout` (the function's `lifecycle`), which hands the rollout the run's
+`RunContext`; called directly, `generate_rollout` uses this process's rollout state as it stands.
 """
 
 from __future__ import annotations
@@ -35,15 +38,18 @@ from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
 from slime.utils.misc import load_function, maybe_await
 from slime.utils.router_generate import generate_into_sample
+from slime.utils.run_context import RunContext
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
 
 class RolloutState:
-    """What one process keeps between rollouts: tokenizer, concurrency cap, user hooks, eval sets."""
+    """What one process keeps between rollouts: tokenizer, concurrency cap, user hooks, eval sets, and the run's
+    context (engine URLs to abort; an empty one outside a run)."""
 
-    def __init__(self, args):
+    def __init__(self, args, context: RunContext | None = None):
+        self.context = context if context is not None else RunContext()
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         num_engines = max(1, args.rollout_num_engines)
         self.max_concurrency = args.sglang_server_concurrency * num_engines
@@ -63,13 +69,26 @@ class RolloutState:
             self.semaphore = asyncio.Semaphore(self.max_concurrency)
 
 
+# This process's rollout state. Upstream's signatures (`GenerateState(args)`, `generate_and_rm(args, ...)`) carry no
+# state, so plugins and the generate helpers below find it here; the rollouts the manager starts register theirs
+# (`start_state`), a direct caller gets one made on first use.
 _STATE: RolloutState | None = None
 
 
 def get_state(args) -> RolloutState:
+    """This process's rollout state (made on first use, without a run context, when no rollout registered one)."""
     global _STATE
     if _STATE is None:
         _STATE = RolloutState(args)
+    return _STATE
+
+
+def start_state(args, context: RunContext) -> RolloutState:
+    """This process's rollout state for the run of `context`: made once per context and registered, so that
+    plugins, the generate helpers and the rollout share it."""
+    global _STATE
+    if _STATE is None or _STATE.context is not context:
+        _STATE = RolloutState(args, context)
     return _STATE
 
 
@@ -198,10 +217,10 @@ async def generate_and_rm_group(
     return samples
 
 
-async def abort_engines(args) -> None:
-    """Ask every engine to abort all its requests (the router does not forward /abort_request)."""
+async def abort_engines(args, urls: list[str]) -> None:
+    """Ask every engine of `urls` to abort all its requests (the router does not forward /abort_request)."""
     headers = bearer_headers(engine_api_key(args))
-    for url in getattr(args, "rollout_engine_urls", []):
+    for url in urls:
         try:
             await async_post_json(f"{url}/abort_request", {"abort_all": True}, max_retries=0, headers=headers)
         except (HTTPRequestError, ConnectionError) as e:
@@ -243,8 +262,35 @@ def _return_to_data_source(args, groups: list[list[Sample]], data_source) -> int
     return len(returned)
 
 
-async def _generate_train_rollout(args, rollout_id: int, data_source) -> RolloutFnTrainOutput:
-    state = get_state(args)
+def finish_rollout_batch(
+    args, kept: list[list[Sample]], dropped: list[list[Sample]], data_source
+) -> list[list[Sample]]:
+    """The end of a training rollout, shared by the default and the fully async rollout: the kept groups sorted by
+    group index, then the user's `--rollout-sample-filter-path` and `--rollout-all-samples-process-path` hooks.
+
+    Args:
+        kept: The groups to train on.
+        dropped: The groups `--dynamic-sampling-filter-path` dropped (the all-samples hook sees them too).
+        data_source: Handed to the all-samples hook.
+
+    Returns:
+        `kept`, sorted.
+    """
+
+    def by_group_index(group: list[Sample]) -> int:
+        return group[0].group_index if group[0].group_index is not None else 0
+
+    kept.sort(key=by_group_index)
+    sample_filter = getattr(args, "rollout_sample_filter_path", None)
+    if sample_filter:  # f(args, groups) sets remove_sample on the samples not to train on
+        load_function(sample_filter)(args, kept)
+    process_all = getattr(args, "rollout_all_samples_process_path", None)
+    if process_all:  # f(args, groups, data_source), the groups the dynamic filter dropped included
+        load_function(process_all)(args, sorted(kept + dropped, key=by_group_index), data_source)
+    return kept
+
+
+async def _generate_train_rollout(args, state: RolloutState, rollout_id: int, data_source) -> RolloutFnTrainOutput:
     await state.ensure_started()
     target = args.rollout_batch_size
     fetch_size = args.over_sampling_batch_size or target
@@ -296,22 +342,13 @@ async def _generate_train_rollout(args, rollout_id: int, data_source) -> Rollout
     finally:
         progress.finish(progress_key)
         if pending:
-            await abort_engines(args)
+            await abort_engines(args, state.context.engine_urls())
             for result in await asyncio.gather(*pending, return_exceptions=True):
                 if isinstance(result, list):
                     unused.append(result)
         num_returned = _return_to_data_source(args, unused, data_source)
 
-    def by_group_index(group: list[Sample]) -> int:
-        return group[0].group_index if group[0].group_index is not None else 0
-
-    kept.sort(key=by_group_index)
-    sample_filter = getattr(args, "rollout_sample_filter_path", None)
-    if sample_filter:  # f(args, groups) sets remove_sample on the samples not to train on
-        load_function(sample_filter)(args, kept)
-    process_all = getattr(args, "rollout_all_samples_process_path", None)
-    if process_all:  # f(args, groups, data_source), the groups the dynamic filter dropped included
-        load_function(process_all)(args, sorted(kept + dropped, key=by_group_index), data_source)
+    kept = finish_rollout_batch(args, kept, dropped, data_source)
     metrics = {
         "rollout/submitted_groups": float(num_submitted),
         "rollout/dropped_groups": float(num_dropped),
@@ -348,8 +385,7 @@ def _eval_sampling_params(args, dataset: EvalDatasetConfig) -> dict[str, Any]:
     return params
 
 
-async def _generate_eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
-    state = get_state(args)
+async def _generate_eval_rollout(args, state: RolloutState, rollout_id: int) -> RolloutFnEvalOutput:
     await state.ensure_started()
     data: dict[str, dict[str, Any]] = {}
     for dataset in eval_datasets(args):
@@ -387,11 +423,18 @@ async def _generate_eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
     return RolloutFnEvalOutput(data=data)
 
 
+def _rollout(args, state: RolloutState, rollout_id: int, data_source, evaluation: bool):
+    if evaluation:
+        return run(_generate_eval_rollout(args, state, rollout_id))
+    return run(_generate_train_rollout(args, state, rollout_id, data_source))
+
+
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
     """Default `--rollout-function-path`.
 
     Args:
-        args: Parsed slime arguments; the rollout manager sets `sglang_router_ip/port` and `rollout_engine_urls`.
+        args: Parsed slime arguments; the router's address is read as user functions read it
+            (`sglang_router_ip/port`, which the rollout manager writes).
         rollout_id: The rollout step.
         data_source: Source of prompt groups (`get_samples`, `add_samples`).
         evaluation: Run the eval sets instead of a training rollout.
@@ -399,6 +442,25 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     Returns:
         `RolloutFnTrainOutput` (groups of samples, one per prompt) or `RolloutFnEvalOutput`.
     """
-    if evaluation:
-        return run(_generate_eval_rollout(args, rollout_id))
-    return run(_generate_train_rollout(args, rollout_id, data_source))
+    return _rollout(args, get_state(args), rollout_id, data_source, evaluation)
+
+
+class DefaultRollout:
+    """`generate_rollout` as the rollout manager runs it: with the run's context (the engines it aborts).
+
+    Args:
+        args: Parsed slime arguments.
+        context: The run's context.
+        data_source: The manager's data source (each call is handed it again).
+    """
+
+    def __init__(self, args, context: RunContext, data_source):
+        self.context = context
+
+    def __call__(self, args, rollout_id: int, data_source, evaluation: bool = False):
+        # The state is made at the first call (it loads the tokenizer) and registered again at each one: a test
+        # (or plugin) may have reset the process's state meanwhile.
+        return _rollout(args, start_state(args, self.context), rollout_id, data_source, evaluation)
+
+
+generate_rollout.lifecycle = DefaultRollout

@@ -25,9 +25,10 @@ from support.runs import REPO, TESTS, rollout_rows, run_driver_script, small_run
 from support.tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM
 
-from slime.rollout import fully_async_rollout, sglang_rollout
+from slime.rollout import sglang_rollout
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer
 from slime.rollout.fully_async_rollout import (
+    FullyAsyncRollout,
     FullyAsyncWorker,
     group_staleness,
     save_data_source,
@@ -36,6 +37,7 @@ from slime.rollout.fully_async_rollout import (
 )
 from slime.utils import run_dir
 from slime.utils.arguments import ArgumentValidationError, parse_args
+from slime.utils.run_context import RunContext, expose_to_plugins
 from slime.utils.types import Sample, Status
 
 FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
@@ -165,7 +167,7 @@ def test_save_puts_untrained_groups_into_the_checkpoint_only(tiny_model_dir, pro
 def test_worker_refuses_a_data_source_without_buffer(tiny_model_dir, prompt_file, tmp_path):
     args = source_args(tiny_model_dir, prompt_file, tmp_path)
     with pytest.raises(ValueError, match="RolloutDataSourceWithBuffer"):
-        FullyAsyncWorker(args, RolloutDataSource(args))
+        FullyAsyncWorker(args, RolloutDataSource(args), sglang_rollout.RolloutState(args), RunContext())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,23 +181,49 @@ def engine(tiny_model_dir):
         yield client_and_url
 
 
+class LoopRun:
+    """Arguments factory for rollouts talking to the engine directly (it speaks /generate itself), with the run
+    context the rollout manager would give them; the test moves the trainer's weight version (`push`)."""
+
+    def __init__(self, model_dir, prompt_file, tmp_path, url: str):
+        self.model_dir, self.prompt_file, self.tmp_path = model_dir, prompt_file, tmp_path
+        self.trainer_version = 1
+        host, port = url.removeprefix("http://").split(":")
+        self.context = RunContext(
+            router_host=host, router_port=int(port), engine_urls_source=lambda: [url],
+            weight_version_source=lambda: self.trainer_version,
+        )  # fmt: skip
+        self.rollouts: list[FullyAsyncRollout] = []
+
+    def __call__(self, *extra: str):
+        args = source_args(self.model_dir, self.prompt_file, self.tmp_path, "--over-sampling-batch-size", "4", *extra)
+        expose_to_plugins(args, self.context)  # the generate helpers read the router as user functions do
+        sglang_rollout.start_state(args, self.context)  # what the default rollout, called directly, then uses
+        return args
+
+    def fully_async(self, args, data_source) -> FullyAsyncRollout:
+        """The fully async rollout as the rollout manager starts it (closed at the end of the test)."""
+        rollout = FullyAsyncRollout(args, self.context, data_source)
+        self.rollouts.append(rollout)
+        return rollout
+
+    def weights_updated(self, version: int) -> None:
+        """What the rollout manager does after a push: the context gives the new version, the rollouts hear of it."""
+        self.trainer_version = version
+        for rollout in self.rollouts:
+            rollout.on_weights_updated(version)
+
+
 @pytest.fixture
 def loop_args(tiny_model_dir, prompt_file, tmp_path, engine):
-    """Arguments factory for a worker talking to the engine directly (the engine speaks /generate itself)."""
     client, url = engine
     idle(client)
     client.update_weights_from_disk(str(tiny_model_dir), weight_version="1")
     sglang_rollout._STATE = None  # the default rollout keeps its tokenizer and hooks per process
-
-    def make(*extra: str):
-        args = source_args(tiny_model_dir, prompt_file, tmp_path, "--over-sampling-batch-size", "4", *extra)
-        host, port = url.removeprefix("http://").split(":")
-        args.sglang_router_ip, args.sglang_router_port, args.rollout_engine_urls = host, int(port), [url]
-        fully_async_rollout.set_trainer_weight_version(args, 1)
-        return args
-
-    yield make
-    fully_async_rollout.stop_worker()
+    run = LoopRun(tiny_model_dir, prompt_file, tmp_path, url)
+    yield run
+    for rollout in run.rollouts:
+        rollout.close()
     sglang_rollout._STATE = None
     idle(client)
 
@@ -206,13 +234,13 @@ def idle(client) -> None:
     wait_for(lambda: client.get_server_info()["internal_states"][0]["num_total_reqs"] == 0)
 
 
-def push(client, model_dir, version: int, args) -> None:
+def push(client, model_dir, version: int, run: LoopRun) -> None:
     """A weight push as the trainer does it: pause (aborting what is in flight), update, continue; then the
     rollout manager hears of the new version."""
     client.pause_generation()
     client.update_weights_from_disk(str(model_dir), weight_version=str(version))
     client.continue_generation()
-    fully_async_rollout.set_trainer_weight_version(args, version)
+    run.weights_updated(version)
 
 
 def wait_for(condition, timeout: float = 60.0) -> None:
@@ -232,13 +260,14 @@ def test_loop_hands_out_only_fresh_groups_and_loses_none(tiny_model_dir, engine,
     client, _ = engine
     args = loop_args("--rollout-max-response-len", "4", "--max-weight-staleness", "0", "--staleness-policy", policy)
     source = RolloutDataSourceWithBuffer(args)
-    first = fully_async_rollout.generate_rollout_fully_async(args, 0, source)
-    worker = fully_async_rollout.current_worker()
+    rollout = loop_args.fully_async(args, source)
+    first = rollout(args, 0, source)
+    worker = rollout.worker
     # While the trainer trains, the loop fills its pipeline of 4 groups, all finished under version 1.
     wait_for(lambda: len(worker.finished) == 4)
     waiting = group_indices([g.prompts for g in worker.finished])
-    push(client, tiny_model_dir, 2, args)
-    second = fully_async_rollout.generate_rollout_fully_async(args, 1, source)
+    push(client, tiny_model_dir, 2, loop_args)
+    second = rollout(args, 1, source)
 
     assert all(s.weight_versions == ["1"] for g in first.samples for s in g)
     assert all(s.weight_versions == ["2"] for g in second.samples for s in g)  # bound 0: on-policy
@@ -306,7 +335,7 @@ def test_aborted_group_goes_back_with_its_partial_response_and_continues_under_n
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(sglang_rollout.generate_rollout, args, 0, source)
         wait_for(lambda: client.get_server_info()["internal_states"][0]["num_running_reqs"] > 0)
-        push(client, new_weights_dir, 2, args)
+        push(client, new_weights_dir, 2, loop_args)
         first = first.result(timeout=120)
     # The aborted groups went back, others took their places: every group drawn is in one place, none in two.
     back = group_indices(source.buffer)
@@ -344,13 +373,14 @@ def test_push_aborts_requests_which_continue_as_partial_rollouts(tiny_model_dir,
         "--max-weight-staleness", "1", "--staleness-policy", "regenerate",
     )  # fmt: skip
     source = RolloutDataSourceWithBuffer(args)
-    fully_async_rollout.generate_rollout_fully_async(args, 0, source)
-    worker = fully_async_rollout.current_worker()
+    rollout = loop_args.fully_async(args, source)
+    rollout(args, 0, source)
+    worker = rollout.worker
     wait_for(lambda: client.get_server_info()["internal_states"][0]["num_running_reqs"] > 0)
-    push(client, new_weights_dir, 2, args)
+    push(client, new_weights_dir, 2, loop_args)
     groups, aborted = [], 0.0
     for rollout_id in (1, 2):
-        output = fully_async_rollout.generate_rollout_fully_async(args, rollout_id, source)
+        output = rollout(args, rollout_id, source)
         groups += output.samples
         aborted += output.metrics["rollout/aborted_requests"]
         assert output.metrics["rollout/staleness_max"] <= 1

@@ -97,8 +97,8 @@ def start_router(args: argparse.Namespace, startup_timeout: float = 60.0) -> Rou
         args: Reads `sglang_router_ip`, `sglang_router_port` (a free port on 127.0.0.1 when unset),
             `sglang_router_request_timeout_secs` (default 14400) and `router_args` (dict of
             `--router-<flag>` values forwarded as `--<flag>`; entries equal to sglang-router's own
-            defaults are dropped, so slime's defaults above apply). Sets `sglang_router_ip` and
-            `sglang_router_port` to the router actually used, so the rollout can build its URL.
+            defaults are dropped, so slime's defaults above apply); `args` is left as it was (the handle's
+            `url` names the router actually used).
         startup_timeout: Seconds to wait for a launched router's /health.
 
     Returns:
@@ -146,7 +146,6 @@ def start_router(args: argparse.Namespace, startup_timeout: float = 60.0) -> Rou
         stop_server_process(process)
         raise
     logger.info("router serving at %s (log: %s)", url, log_path)
-    args.sglang_router_ip, args.sglang_router_port = host, port
     return RouterHandle(url=url, process=process, log_path=log_path)
 
 

@@ -21,6 +21,7 @@ from slime.utils.arguments.checkpoint import _validate_output_folders
 from slime.utils.arguments.errors import _fail
 from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.utils.eval_config import load_eval_config
+from slime.utils.misc import load_function
 from slime.utils.moe_routing import routing_shape
 
 # One logger for the whole parser, named as before the split into modules (log lines show the name).
@@ -530,9 +531,18 @@ def _validate_flag_uses(args: argparse.Namespace) -> None:
             _fail("--attention-backend flash needs the flash-attn package; install it or drop the flag (sdpa).")
 
 
+def _generates_in_background(args: argparse.Namespace) -> bool:
+    """Whether the rollout function generates while the trainer trains: its `lifecycle` says so (the fully async
+    rollout's does). Only a custom function is imported to ask, the default one generates each batch on demand."""
+    if args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION_PATH:
+        return False
+    lifecycle = getattr(load_function(args.rollout_function_path), "lifecycle", None)
+    return bool(getattr(lifecycle, "generates_in_background", False))
+
+
 def _validate_fully_async(args: argparse.Namespace) -> None:
-    fully_async = args.rollout_function_path.endswith("generate_rollout_fully_async")
-    if fully_async and args.colocate:
+    in_background = (args.colocate or args.keep_old_actor) and _generates_in_background(args)
+    if in_background and args.colocate:
         _fail(
             f"--rollout-function-path {args.rollout_function_path} generates while the trainer trains, so engines "
             "and trainer cannot share devices: drop --colocate."
