@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import ray
 import torch
 
 from slime.algorithms.advantages import group_baseline_rewards
+from slime.backends.sglang_utils.router import RouterHandle
 from slime.ray.engine_pool import EnginePool
 from slime.ray.engine_pool import wait_for_external_engines as wait_for_external_engines  # its old home
 from slime.ray.placement_group import PlacementSlice
@@ -216,7 +218,7 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None, elapsed: floa
     }
 
 
-def start_rollout(path: str, args, context: RunContext, data_source):
+def start_rollout(path: str, args, context: RunContext, data_source) -> Callable[..., Any]:
     """The `--rollout-function-path` (or `--eval-function-path`) target at `path`, ready to be called as
     `rollout(args, rollout_id, data_source, evaluation=False)`.
 
@@ -264,7 +266,7 @@ class RolloutManager:
         expose_to_plugins(self.args, self.context)
 
     @property
-    def router(self):
+    def router(self) -> RouterHandle | None:
         """The router's handle (None before the engines are up, or without engines)."""
         return self.engine_pool.router
 
