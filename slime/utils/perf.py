@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from slime.utils.device import cuda_available
+
 # The driver's phases of one step, in order; each step has some of them (`train_wait`: the async trainer
 # waiting for its batch; `offload`: colocated trainer and engines swapping devices).
 logger = logging.getLogger(__name__)
@@ -145,7 +147,7 @@ def device_peak_tflops(override: float | None = None) -> float | None:
     `cpu_peak_tflops()`."""
     if override:
         return override
-    if not torch.cuda.is_available():
+    if not cuda_available():
         return cpu_peak_tflops()
     name = torch.cuda.get_device_name()
     for key, tflops in GPU_PEAK_TFLOPS.items():
@@ -157,7 +159,7 @@ def device_peak_tflops(override: float | None = None) -> float | None:
 
 def peak_memory_gb() -> float:
     """This process's peak memory: GPU memory allocated by torch on a GPU, else the peak resident size."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 

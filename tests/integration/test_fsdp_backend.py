@@ -32,8 +32,8 @@ from slime.backends.fsdp_utils.model import (
     response_logits,
     snapshot_local_shards,
 )
-from slime.backends.train_actor import get_free_port
 from slime.ray.rollout import split_train_data_by_dp
+from slime.utils.http_utils import find_free_port
 from slime.utils.micro_batches import group_samples
 from slime.utils.ppo_utils import compute_log_probs
 
@@ -261,7 +261,7 @@ def _dp_worker(rank: int, world_size: int, port: int, args, shards: list[dict], 
 
 
 def _run_ranks(world_size: int, args, shards: list[dict], out_dir) -> dict:
-    mp.spawn(_dp_worker, args=(world_size, get_free_port(), args, shards, str(out_dir)), nprocs=world_size)
+    mp.spawn(_dp_worker, args=(world_size, find_free_port(), args, shards, str(out_dir)), nprocs=world_size)
     return torch.load(f"{out_dir}/rank0.pt", weights_only=False)
 
 

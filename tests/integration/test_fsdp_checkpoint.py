@@ -17,8 +17,8 @@ from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
 from slime.backends.fsdp_utils.data_packing import pack_micro_batch
 from slime.backends.fsdp_utils.model import gather_full_state_dict, response_logits
-from slime.backends.train_actor import get_free_port
 from slime.utils.arguments import parse_args
+from slime.utils.http_utils import find_free_port
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -147,7 +147,7 @@ def test_checkpoint_from_one_rank_loads_on_two(tiny_model_dir, tmp_path):
     actor.train(0, make_rollout(8, seed=2, num_steps=2))
     actor.save_model(0)
     saved = gather_full_state_dict(actor.model)
-    mp.spawn(_load_worker, args=(2, get_free_port(), args, str(tmp_path)), nprocs=2)
+    mp.spawn(_load_worker, args=(2, find_free_port(), args, str(tmp_path)), nprocs=2)
     for rank in range(2):
         loaded = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
         assert loaded["start"] == 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -23,14 +22,10 @@ from typing import Any
 
 import torch
 
+from slime.utils.http_utils import find_free_port
+
 # Generous: two processes share two busy cores and each imports megatron-core (~5 s).
 DEFAULT_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker_main(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
@@ -62,7 +57,7 @@ def run_in_processes(
         RuntimeError: a worker failed (its traceback is in the message) or timed out.
     """
     context = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = find_free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         processes = [
             context.Process(target=_worker_main, args=(fn, rank, world_size, port, out_dir, args))

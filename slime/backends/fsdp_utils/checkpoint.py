@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import gather_full_state_dict, reshard, save_hf_folder
 from slime.utils import atomic_dir, run_dir
+from slime.utils.device import cuda_available
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def rng_state() -> dict:
     name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     numpy_state = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian)]
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if cuda_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -106,7 +107,7 @@ def set_rng_state(state: dict) -> None:
     name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and cuda_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 

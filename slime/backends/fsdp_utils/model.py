@@ -31,13 +31,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from slime.backends.fsdp_utils.data_packing import PackedMicroBatch
+from slime.utils.device import default_device
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 def training_device() -> torch.device:
     """The current CUDA device when there is one, else CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return default_device()
 
 
 def is_hf_folder(path: str | None) -> bool:

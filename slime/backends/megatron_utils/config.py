@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slime.utils.device import cuda_available
+
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4", "deepseek_v3", "mimo")
 
 # Accepted spellings (after lower-casing and "-"/"." -> "_") and HF `model_type`s, per family.
@@ -293,7 +295,7 @@ def parse_layer_freq(value: Any) -> int | list[int]:
 
 def te_available() -> bool:
     """TransformerEngine importable and a GPU present: then the TE layer spec and fusions are used."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    return cuda_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def use_transformer_engine(args: argparse.Namespace) -> bool:
@@ -355,7 +357,7 @@ def transformer_config_from_args(args: argparse.Namespace):
         or getattr(args, "tensor_model_parallel_size", 1)
         or 1,
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not cuda_available(),
         # Fused kernels need CUDA (and most need TE); off otherwise.
         bias_activation_fusion=te and _switch(args, activation_fusion, "no_" + activation_fusion),
         bias_dropout_fusion=te and _switch(args, "bias_dropout_fusion", "no_bias_dropout_fusion"),

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from slime.utils.device import cuda_available
+
 # Factory functions that take `device=`; a CUDA device there becomes the CPU.
 _FACTORIES = (
     "arange",
@@ -132,7 +134,7 @@ def apply_cpu_patch() -> bool:
         True if the patch is (now or already) active, False when CUDA is available and nothing changed.
     """
     global _patched
-    if torch.cuda.is_available():
+    if cuda_available():
         return False
     for name in _MEGATRON_MODULES:
         importlib.import_module(name)

@@ -30,6 +30,7 @@ from slime.backends.megatron_utils.config import (
     use_transformer_engine,
 )
 from slime.backends.megatron_utils.unwrap import unwrap_model  # noqa: F401 (re-exported)
+from slime.utils.device import cuda_available
 from slime.utils.misc import load_function
 
 
@@ -207,7 +208,7 @@ def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True, role: str 
             model = build_gpt_model(args, pre, post, vp_stage, config=config)
         if role == "critic" and post:
             attach_value_head(model)  # before Float16Module, which casts every parameter
-        if torch.cuda.is_available():
+        if cuda_available():
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)

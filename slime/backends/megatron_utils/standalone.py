@@ -19,6 +19,8 @@ from slime.backends.megatron_utils.config import config_from_hf, load_hf_config,
 from slime.backends.megatron_utils.model import build_model
 from slime.utils.arguments import _extract_unknown_flags
 from slime.utils.atomic_dir import check_replaceable
+from slime.utils.device import cuda_available
+from slime.utils.http_utils import find_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -71,24 +73,16 @@ def init_distributed(args: argparse.Namespace) -> None:
                 logger.info("one process: ignoring --%s %s", name.replace("_", "-"), getattr(args, name))
             setattr(args, name, 1)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(find_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-    if torch.cuda.is_available():
+    if cuda_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
     else:
         dist.init_process_group("gloo")
         apply_cpu_patch()
     initialize_model_parallel_from_args(args)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def shutdown() -> None:

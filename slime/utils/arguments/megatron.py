@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
+from slime.utils.device import cuda_available
 
 # slime changes these Megatron defaults; the same values are the defaults of the fallback subset.
 MEGATRON_DEFAULT_OVERRIDES: dict[str, Any] = {
@@ -31,7 +31,7 @@ def add_megatron_subset_arguments(parser: argparse.ArgumentParser) -> argparse.A
     Returns:
         the same parser.
     """
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
     defaults = MEGATRON_DEFAULT_OVERRIDES
 
     optim = parser.add_argument_group("optimizer (Megatron names)")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from slime.utils.arguments.algorithm import _add_algorithm_arguments, _add_opd_arguments
 from slime.utils.arguments.checkpoint import _add_checkpoint_arguments
 from slime.utils.arguments.cluster import (
@@ -28,6 +26,7 @@ from slime.utils.arguments.rollout import (
     _add_sampling_arguments,
 )
 from slime.utils.arguments.training import _add_train_arguments
+from slime.utils.device import cuda_available
 
 
 def add_slime_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,7 +41,7 @@ def add_slime_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     Returns:
         the same parser.
     """
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
     _add_cluster_arguments(parser, cuda)
     _add_cpu_arguments(parser)
     _add_train_arguments(parser)

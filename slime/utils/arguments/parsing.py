@@ -9,8 +9,6 @@ import logging
 import sys
 from typing import Any
 
-import torch
-
 from slime.utils.arguments.algorithm import _load_algorithm_modules
 from slime.utils.arguments.cluster import (
     _ROUTER_EXCLUDED,
@@ -27,6 +25,7 @@ from slime.utils.arguments.megatron import MEGATRON_DEFAULT_OVERRIDES
 from slime.utils.arguments.parser import add_slime_arguments, build_parser
 from slime.utils.arguments.refused import refuse_unsupported_flags
 from slime.utils.arguments.validation import validate_args
+from slime.utils.device import cuda_available
 
 # One logger for the whole parser, named as before the split into modules (log lines show the name).
 logger = logging.getLogger(__package__)
@@ -41,7 +40,7 @@ def _import_megatron_arguments():
 
 def _parse_with_megatron(megatron_arguments, argv: list[str]) -> argparse.Namespace:
     """Megatron's parse_args over argv, with slime's flags and default overrides added."""
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
 
     def extra_args_provider(parser):
         add_slime_arguments(parser)
@@ -75,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ArgumentValidationError: inconsistent flags, or a refused flag (the message says why and what instead).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
 
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--train-backend", choices=["megatron", "fsdp"], default="megatron" if cuda else "fsdp")

@@ -11,8 +11,6 @@ import os
 import re
 from urllib.parse import urlparse
 
-import torch
-
 from slime import algorithms
 from slime.algorithms.aggregation import default_loss_agg_mode
 from slime.algorithms.policy_losses import loss_kind
@@ -20,6 +18,7 @@ from slime.utils.arguments.algorithm import _estimator
 from slime.utils.arguments.checkpoint import _validate_output_folders
 from slime.utils.arguments.errors import _fail
 from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
+from slime.utils.device import cuda_available
 from slime.utils.eval_config import load_eval_config
 from slime.utils.misc import load_function
 from slime.utils.moe_routing import routing_shape
@@ -458,7 +457,7 @@ def _validate_flag_uses(args: argparse.Namespace) -> None:
             f"{args.num_gpus_per_node}: engines that span nodes are not supported; use at most "
             f"{args.num_gpus_per_node} GPUs per engine (or fix --num-gpus-per-node)."
         )
-    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+    if args.distributed_backend == "nccl" and not cuda_available():
         _fail("--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on this machine.")
 
     ci_flags = {
@@ -548,7 +547,7 @@ def _validate_fully_async(args: argparse.Namespace) -> None:
             "and trainer cannot share devices: drop --colocate."
         )
     bound = args.max_weight_staleness
-    if fully_async and args.keep_old_actor and (bound is None or bound > 1):
+    if in_background and args.keep_old_actor and (bound is None or bound > 1):
         _fail(
             "--keep-old-actor keeps the weights of the last two pushes, so with the fully async rollout it needs "
             "--max-weight-staleness 0 or 1 (no sample older than the previous push)."
