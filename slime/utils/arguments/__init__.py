@@ -52,6 +52,7 @@ from slime.utils.arguments.cluster import (
     _sglang_source_parser,
 )
 from slime.utils.arguments.errors import ArgumentValidationError
+from slime.utils.arguments.flag_tests import FLAG_TESTS
 from slime.utils.arguments.flag_values import _extract_unknown_flags
 from slime.utils.arguments.megatron import (
     FSDP_ATTENTION_BACKENDS,
@@ -66,6 +67,7 @@ from slime.utils.arguments.validation import validate_args
 # The names imported from this package elsewhere in slime, tools and tests.
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "FLAG_TESTS",
     "FSDP_ATTENTION_BACKENDS",
     "KL_LOSS_TYPES",
     "PARSE_TIME_FLAGS",
