@@ -41,7 +41,6 @@ import contextlib
 import logging
 import math
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -56,6 +55,8 @@ from slime.algorithms.advantages import compute_advantages_and_returns
 from slime.algorithms.aggregation import StepNormalizer, count_step_samples_and_tokens
 from slime.algorithms.losses import value_loss
 from slime.algorithms.policy_losses import loss_kind
+from slime.utils.device import cuda_available, distributed_backend
+from slime.utils.http_utils import find_free_port
 from slime.utils.misc import load_function, release_free_host_memory
 from slime.utils.perf import ModelShape, PhaseTimer, device_peak_tflops, forward_flops, peak_memory_gb
 from slime.utils.weight_sync import (
@@ -69,13 +70,6 @@ from slime.utils.weight_sync import (
 logger = logging.getLogger(__name__)
 
 Weights = dict[str, torch.Tensor]
-
-
-def get_free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free right now on `host` (used for the rank-0 rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class TrainRayActor:
@@ -95,8 +89,8 @@ class TrainRayActor:
         self.world_size = world_size
         self.rank = rank
         if master_addr is None:
-            master_addr = ray.util.get_node_ip_address() if torch.cuda.is_available() else "127.0.0.1"
-            master_port = get_free_port(master_addr if master_addr != "127.0.0.1" else "127.0.0.1")
+            master_addr = ray.util.get_node_ip_address() if cuda_available() else "127.0.0.1"
+            master_port = find_free_port(master_addr)
         self.master_addr, self.master_port = master_addr, master_port
         # critic: values from `compute_values`, kept for `train` on the same shard (`_remember_values`)
         self.cached_values: tuple[tuple, list[torch.Tensor]] | None = None
@@ -110,7 +104,7 @@ class TrainRayActor:
 
     def _local_rank(self) -> int:
         # Outside a Ray worker (a trainer built in-process) ray.get_gpu_ids() would start a local Ray instance.
-        gpu_ids = ray.get_gpu_ids() if torch.cuda.is_available() and ray.is_initialized() else []
+        gpu_ids = ray.get_gpu_ids() if cuda_available() and ray.is_initialized() else []
         return int(gpu_ids[0]) if gpu_ids else 0
 
     def get_master_addr_and_port(self) -> tuple[str, int]:
@@ -119,11 +113,11 @@ class TrainRayActor:
     def init_process_group(self, args) -> None:
         """Join the training process group (`--distributed-backend`: NCCL on GPU, gloo on CPU by default);
         set this rank's thread budget."""
-        if torch.cuda.is_available():
+        if cuda_available():
             torch.cuda.set_device(self._local_rank())
         else:
             torch.set_num_threads(args.train_num_threads)
-        backend = getattr(args, "distributed_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = getattr(args, "distributed_backend", None) or distributed_backend()
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=backend,
@@ -607,7 +601,7 @@ class TrainRayActor:
             {"max_abs_diff": largest gap over engines and tokens} (rank 0; 0.0 elsewhere).
 
         Raises:
-            RuntimeError: on rank 0 when the gap exceeds `weight_sync.WEIGHT_CHECK_TOLERANCE`.
+            RuntimeError: on rank 0 when the gap exceeds `weight_sync.weight_check_tolerance()`.
         """
         probe = probe_tokens(self.vocab_size)
         trainer = self._forward_log_probs(self._probe_micro_batches(probe), 1, temperature=1.0)[0]

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from slime.utils import atomic_dir
+from slime.utils.device import cuda_available
 from slime.utils.http_utils import find_free_port
 from slime.utils.misc import load_function
 from slime.utils.weight_transport import (
@@ -232,7 +233,7 @@ def connect_broadcast_group(
         The group; pass it to `send_buckets_by_broadcast`.
     """
     name = f"{GROUP_NAME}_{uuid.uuid4().hex[:12]}"
-    backend = "nccl" if engine_kind == "sglang" and torch.cuda.is_available() else "gloo"
+    backend = "nccl" if engine_kind == "sglang" and cuda_available() else "gloo"
     port = find_free_port(master_address)
     world_size = 1 + len(engines) * gpus_per_engine
     with ThreadPoolExecutor(max_workers=len(engines)) as pool:
@@ -620,24 +621,28 @@ def engine_prompt_log_probs(engine: Any, input_ids: list[int]) -> list[float]:
     return [entry[0] for entry in entries[1:]]
 
 
-# Largest |trainer - engine| probe log-prob gap accepted after a weight update: fp32 CPU engines agree
-# to ~1e-5; bf16 GPU engines differ by up to ~0.1 even with identical weights.
-WEIGHT_CHECK_TOLERANCE = 1e-3 if not torch.cuda.is_available() else 0.1
+def weight_check_tolerance() -> float:
+    """Largest |trainer - engine| probe log-prob gap accepted after a weight update.
+
+    fp32 CPU engines agree to ~1e-5; bf16 GPU engines differ by up to ~0.1 even with identical weights.
+    """
+    return 0.1 if cuda_available() else 1e-3
 
 
 def check_engines_match(engines: list, probe: list[int], trainer_log_probs: torch.Tensor, weight_version: Any) -> float:
     """Largest gap between each engine's log-probs of `probe` and the trainer's.
 
     Raises:
-        RuntimeError: when the gap exceeds `WEIGHT_CHECK_TOLERANCE`, naming the update.
+        RuntimeError: when the gap exceeds `weight_check_tolerance()`, naming the update.
     """
     gap = 0.0
     for engine in engines:
         engine_log_probs = torch.tensor(engine_prompt_log_probs(engine, probe), dtype=torch.float32)
         gap = max(gap, float((engine_log_probs - trainer_log_probs).abs().max()))
-    if gap > WEIGHT_CHECK_TOLERANCE:
+    tolerance = weight_check_tolerance()
+    if gap > tolerance:
         raise RuntimeError(
             f"engine weights differ from the trainer's after update {weight_version}: probe log-probs "
-            f"differ by up to {gap:.3g} (tolerance {WEIGHT_CHECK_TOLERANCE}); check parameter names and dtypes"
+            f"differ by up to {gap:.3g} (tolerance {tolerance}); check parameter names and dtypes"
         )
     return gap

@@ -45,6 +45,7 @@ from slime.backends.fsdp_utils.model import (
 from slime.backends.fsdp_utils.update_weight import full_parameter_buckets
 from slime.backends.train_actor import TrainRayActor, Weights
 from slime.utils.arguments import FSDP_ATTENTION_BACKENDS
+from slime.utils.device import cuda_available
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
 from slime.utils.moe_routing import HFRouters
@@ -67,7 +68,7 @@ class FSDPTrainRayActor(TrainRayActor):
         torch.manual_seed(args.seed)
         self.device = training_device()
         self.dp_size = dist.get_world_size()
-        if getattr(args, "bf16", False) and not torch.cuda.is_available():
+        if getattr(args, "bf16", False) and not cuda_available():
             logger.warning("--bf16 on CPU: bf16 matmuls are far slower than float32 on CPUs without bf16 units")
 
         start_path = args.load if is_hf_folder(args.load) else args.hf_checkpoint
@@ -283,7 +284,7 @@ class FSDPTrainRayActor(TrainRayActor):
         """Free training memory while the engines generate: drop gradients; on GPU also move weights
         and optimizer state to CPU and release the CUDA cache. On CPU nothing else can be freed."""
         self.optimizer.zero_grad(set_to_none=True)
-        if torch.cuda.is_available():
+        if cuda_available():
             self.model.to("cpu")
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
             torch.cuda.empty_cache()
@@ -291,7 +292,7 @@ class FSDPTrainRayActor(TrainRayActor):
 
     def onload(self) -> None:
         """Undo `offload`: weights and optimizer state back on the training device."""
-        if torch.cuda.is_available():
+        if cuda_available():
             self.model.to(self.device)
             _move_optimizer_state(self.optimizer, self.device)
 

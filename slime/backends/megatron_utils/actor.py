@@ -51,6 +51,7 @@ from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.backends.megatron_utils.update_weight import hf_weight_buckets
 from slime.backends.storage_offload import ReleasedStorages, release_storages, restore_storages
 from slime.backends.train_actor import TrainRayActor, Weights
+from slime.utils.device import cuda_available
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
 from slime.utils.weight_sync import Bucket
@@ -124,7 +125,7 @@ class MegatronTrainRayActor(TrainRayActor):
         """Build model, optimizer and LR scheduler, load weights; return the rollout id to start from: the
         torch_dist checkpoint's + 1 when resuming from `--load` (the critic's from `<load>/critic`), else 0.
         The critic is the HF backbone plus a zero-initialized value head."""
-        if not torch.cuda.is_available():
+        if not cuda_available():
             from slime.backends.megatron_utils.cpu_compat import apply_cpu_patch
 
             apply_cpu_patch()
@@ -137,7 +138,7 @@ class MegatronTrainRayActor(TrainRayActor):
         self.mpu = parallel_state
         self.family = model_family(self.model_args)
         self.vocab_size = args_vocab_size(self.model_args)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else None
         self.device = self.device or torch.device("cpu")
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.cp_size = parallel_state.get_context_parallel_world_size()
@@ -435,7 +436,7 @@ class MegatronTrainRayActor(TrainRayActor):
         grads = release_storages(self._offload_grad_tensors(), keep_contents=False)
         self.offloaded = {"weights": weights, "optimizer": optimizer, "grads": grads}
         release_free_host_memory()
-        if torch.cuda.is_available():
+        if cuda_available():
             torch.cuda.empty_cache()
         sizes = ", ".join(f"{part} {released.nbytes / 2**20:.1f} MiB" for part, released in self.offloaded.items())
         logger.info("rank %d: offloaded the %s: %s", self.rank, self.role, sizes)
@@ -460,7 +461,7 @@ class MegatronTrainRayActor(TrainRayActor):
         finally:
             self.offloaded["weights"] = release_storages(self._offload_weight_tensors())
             release_free_host_memory()
-            if torch.cuda.is_available():
+            if cuda_available():
                 torch.cuda.empty_cache()
 
     def update_weights(self) -> None:
