@@ -31,6 +31,9 @@ NEEDS_E2E: frozenset[str] = frozenset(
     {
         "offload_train",  # train.py: onload before / offload after training, around generation
         "update_weights_interval",  # train_async.py: push the weights every N rollouts
+        "save_interval",  # train*.py: a checkpoint every N rollouts (the runs so far check only the last one)
+        "eval_interval",  # train*.py: an evaluation every N rollouts (likewise)
+        "skip_eval_before_train",  # train*.py: no evaluation before the first rollout
     }
 )
 BASE = [

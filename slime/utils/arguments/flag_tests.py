@@ -120,7 +120,6 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     # ---- checkpoints ------------------------------------------------------------------------------------------
     "save": ("test_fsdp_checkpoint.py::test_save_then_load_restores_everything",),
     "load": ("test_fsdp_checkpoint.py::test_save_then_load_restores_everything",),
-    "save_interval": ("test_fully_async.py::test_train_async_bound_1_regenerates_saves_and_evaluates",),
     "ckpt_step": ("test_flags_behaviour.py::test_ckpt_step_loads_that_checkpoint",),
     "save_hf": ("test_fsdp_checkpoint.py::test_save_hf_folder_loads_with_transformers",),
     "no_save_optim": ("test_flag_effects_with_actors.py::test_checkpoint_flags_choose_what_is_saved_and_loaded",),
@@ -151,7 +150,7 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "partial_rollout": ("test_rollout_manager.py::test_unused_groups_go_back_fresh_or_partial",),
     "mask_offpolicy_in_partial_rollout": (
-        "test_fully_async.py::test_push_aborts_requests_which_continue_as_partial_rollouts",
+        "test_fully_async.py::test_aborted_group_goes_back_with_its_partial_response_and_continues_under_new_weights",
     ),
     "rollout_external_engine_addrs": ("test_weight_sync_disk.py::test_external_engine_generates_and_receives_weights",),
     "rollout_engine_start_timeout": (
@@ -223,8 +222,6 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     "eval_function_path": ("test_flag_effects_with_actors.py::test_eval_function_path_runs_the_evaluation",),
     "eval_prompt_data": ("test_eval_config.py::test_eval_prompt_data_pairs_take_the_eval_flags",),
     "eval_config": ("test_eval_config.py::test_per_dataset_settings_override_defaults_and_flags",),
-    "eval_interval": ("test_fully_async.py::test_train_async_bound_1_regenerates_saves_and_evaluates",),
-    "skip_eval_before_train": ("test_fully_async.py::test_train_async_bound_1_regenerates_saves_and_evaluates",),
     "n_samples_per_eval_prompt": ("test_eval_config.py::test_eval_prompt_data_pairs_take_the_eval_flags",),
     "eval_temperature": (
         "test_eval_config.py::test_eval_prompt_data_pairs_take_the_eval_flags",
