@@ -26,6 +26,7 @@ from slime.ray.rollout import RolloutManager
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.utils.arguments import parse_args
 from slime.utils.http_utils import find_free_port
+from slime.utils.tracking import Tracker
 from slime.utils.types import Sample, Status
 
 MODULE = __name__
@@ -97,6 +98,12 @@ def test_clip_grad_bounds_the_update(tiny_model_dir):
     # Adam's first step is about lr x sign(grad); a gradient clipped far below --adam-eps barely moves a weight.
     free, clipped = largest_change("--clip-grad", "0"), largest_change("--clip-grad", "1e-9")
     assert free > 5e-3 and clipped < 1e-2 * free, (free, clipped)
+
+
+def test_peak_tflops_is_the_mfu_denominator(tiny_model_dir):
+    metrics = new_actor(make_args(tiny_model_dir, *SFT, "--peak-tflops", "0.5")).train(0, make_rollout(8, seed=13))
+    assert metrics["perf/actor_train_tflops"] > 0
+    assert metrics["perf/actor_train_mfu"] == pytest.approx(metrics["perf/actor_train_tflops"] / 0.5)
 
 
 def test_checkpoint_flags_choose_what_is_saved_and_loaded(tiny_model_dir, tmp_path):
@@ -246,6 +253,19 @@ def test_num_critic_only_steps_holds_the_actor_back(ppo_groups):
     assert "critic/value_loss" in first and not [name for name in first if name.startswith("train/")]
     second = train_one_rollout(run, 1, data_refs)
     assert "critic/value_loss" in second and "train/pg_loss" in second
+
+
+# ---- trackers ---------------------------------------------------------------------------------------------------
+
+
+def test_wandb_host_and_key_are_the_wandb_login(tiny_model_dir, tmp_path):
+    key = "flagtestkey" + "0" * 29  # wandb's 40 characters
+    tracker = Tracker(make_args(tiny_model_dir, "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(tmp_path),
+                                "--wandb-host", "http://127.0.0.1:9", "--wandb-key", key))  # fmt: skip
+    try:
+        assert (tracker.wandb.settings.base_url, tracker.wandb.settings.api_key) == ("http://127.0.0.1:9", key)
+    finally:
+        tracker.finish()
 
 
 # ---- router and rollout manager ---------------------------------------------------------------------------------

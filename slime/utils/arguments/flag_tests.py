@@ -193,7 +193,10 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
         "test_engine_args.py::test_failover_window_covers_one_health_round_with_fault_tolerance_only",
     ),
     # ---- sampling ---------------------------------------------------------------------------------------------
-    "rollout_temperature": ("test_flag_effects.py::test_sampling_flags_are_the_engine_sampling_params",),
+    "rollout_temperature": (
+        "test_flag_effects.py::test_sampling_flags_are_the_engine_sampling_params",
+        "test_fsdp_backend.py::test_old_log_probs_equal_plain_forward",
+    ),
     "rollout_top_p": ("test_flag_effects.py::test_sampling_flags_are_the_engine_sampling_params",),
     "rollout_top_k": ("test_flag_effects.py::test_sampling_flags_are_the_engine_sampling_params",),
     "rollout_max_response_len": ("test_flag_effects.py::test_sampling_flags_are_the_engine_sampling_params",),
@@ -292,8 +295,14 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     "use_wandb": ("test_tracking.py::test_wandb_offline_and_tensorboard_hold_the_metrics_jsonl_rows",),
     "wandb_mode": ("test_tracking.py::test_tracker_flags_override_their_environment_variables",),
     "wandb_dir": ("test_tracking.py::test_tracker_flags_override_their_environment_variables",),
-    "wandb_key": ("test_tracking.py::test_wandb_offline_and_tensorboard_hold_the_metrics_jsonl_rows",),
-    "wandb_host": ("test_tracking.py::test_wandb_offline_and_tensorboard_hold_the_metrics_jsonl_rows",),
+    "wandb_key": (
+        "test_flag_effects_with_actors.py::test_wandb_host_and_key_are_the_wandb_login",
+        "test_tracking.py::test_wandb_offline_and_tensorboard_hold_the_metrics_jsonl_rows",
+    ),
+    "wandb_host": (
+        "test_flag_effects_with_actors.py::test_wandb_host_and_key_are_the_wandb_login",
+        "test_tracking.py::test_wandb_offline_and_tensorboard_hold_the_metrics_jsonl_rows",
+    ),
     "wandb_team": ("test_tracking.py::test_wandb_offline_and_tensorboard_hold_the_metrics_jsonl_rows",),
     "wandb_group": ("test_tracking.py::test_wandb_offline_and_tensorboard_hold_the_metrics_jsonl_rows",),
     "wandb_project": ("test_tracking.py::test_tracker_flags_override_their_environment_variables",),
@@ -307,7 +316,10 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     "log_passrate": ("test_flags_behaviour.py::test_manager_converts_logs_and_saves_train_data",),
     "log_reward_category": ("test_flags_behaviour.py::test_manager_converts_logs_and_saves_train_data",),
     "log_correct_samples": ("test_flags_behaviour.py::test_manager_converts_logs_and_saves_train_data",),
-    "peak_tflops": ("test_flag_effects.py::test_peak_tflops_overrides_the_device_peak",),
+    "peak_tflops": (
+        "test_flag_effects_with_actors.py::test_peak_tflops_is_the_mfu_denominator",
+        "test_flag_effects.py::test_peak_tflops_overrides_the_device_peak",
+    ),
     # ---- debug data and CI checks -----------------------------------------------------------------------------
     "debug_rollout_only": ("test_rollout_manager.py::test_rollout_returns_well_formed_train_data",),
     "debug_train_only": ("test_flags_behaviour.py::test_manager_converts_logs_and_saves_train_data",),
