@@ -7,7 +7,7 @@ Run from the repository root:
 
 This process plays training rank 0 (world size 1, gloo) holding the HF model; one engine server
 (`python -m slime.backends.cpu_engine`, one thread) serves the same model. Each push goes through
-`update_engine_weights` (pause, flush, send, resume) with buckets of `--buffer-size` bytes:
+`WeightUpdater.push` (pause, flush, send, resume) with buckets of `--buffer-size` bytes:
 
 - tensor: two named shared-memory segments the trainer reuses every push, `/update_weights_from_tensor`
   (colocated engines, same host); the warm-up push creates and maps them, the timed ones only copy;
@@ -16,6 +16,7 @@ This process plays training rank 0 (world size 1, gloo) holding the HF model; on
 
 Before each push the weights get a little noise, and afterwards the engine's probe log-probs must equal this
 process's (the gap is printed). Timings are the best of `--repeats` pushes after one warm-up push.
+Each transport is the one `choose_transport` picks for the same flags.
 """
 
 from __future__ import annotations
@@ -34,14 +35,9 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from slime.backends.sglang_utils.http_client import EngineClient
+from slime.backends.weight_sync import WeightUpdater, choose_transport, engine_prompt_log_probs
 from slime.utils.http_utils import find_free_port, wait_until_healthy
-from slime.utils.weight_sync import (
-    bucket_named_tensors,
-    connect_engines,
-    engine_prompt_log_probs,
-    probe_tokens,
-    update_engine_weights,
-)
+from slime.utils.weight_sync import bucket_named_tensors, probe_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +59,9 @@ def probe_gap(model: torch.nn.Module, client: EngineClient, probe: list[int]) ->
     return float((torch.tensor(engine_prompt_log_probs(client, probe)) - mine).abs().max())
 
 
-def time_pushes(model, client, links, buffer_size: int, repeats: int, probe: list[int]) -> tuple[float, float]:
+def time_pushes(
+    model, client, updater: WeightUpdater, buffer_size: int, repeats: int, probe: list[int]
+) -> tuple[float, float]:
     """Best seconds of `repeats` pushes (after a warm-up) and the largest probe gap after any of them."""
     best, gap = float("inf"), 0.0
     for attempt in range(repeats + 1):
@@ -72,7 +70,7 @@ def time_pushes(model, client, links, buffer_size: int, repeats: int, probe: lis
                 param.add_(torch.randn_like(param), alpha=1e-3)
         buckets = bucket_named_tensors(((n, p.detach()) for n, p in model.named_parameters()), buffer_size)
         start = time.perf_counter()
-        update_engine_weights(links, buckets, rank=0, version=f"bench-{time.time_ns()}")
+        updater.push(buckets)
         seconds = time.perf_counter() - start
         best = min(best, seconds) if attempt else best  # attempt 0 warms up
         gap = max(gap, probe_gap(model, client, probe))
@@ -119,8 +117,10 @@ def main() -> None:
                     update_weight_disk_keep_files=False,
                     hf_checkpoint=model_dir,
                 )
-                links = connect_engines(options, [client], [url], rank=0, world_size=1)
-                seconds, gap = time_pushes(model, client, links, args.buffer_size, args.repeats, probe)
+                updater = WeightUpdater(rank=0)
+                updater.connect(choose_transport(options, torch.device("cpu")), [client], [url])
+                seconds, gap = time_pushes(model, client, updater, args.buffer_size, args.repeats, probe)
+                updater.close()
                 note = ""
                 if transport == "disk":
                     (folder,) = [p for p in Path(disk_dir).iterdir() if p.name.startswith("weights-v")]

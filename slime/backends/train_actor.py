@@ -28,6 +28,12 @@ with `--use-rollout-logprobs`; the generating weights with `--keep-old-actor`), 
 The critic takes its values from its own `compute_values` of the shard and computes returns by GAE with a zero
 reward-side KL.
 
+What differs between runs is chosen once, in `init`, never by branching on the role in the recipe: the role's
+loss, inputs and names; where the old log-probs come from (`OldLogProbSource`: the engines', a forward with the
+current weights, the training forward itself, or the kept weights that generated the rollout); the
+`--custom-*-path` hooks the recipe calls; and, for the actor, a `WeightUpdater` (slime.backends.weight_sync)
+whose transport is chosen when the engines connect.
+
 A backend (fsdp_utils, megatron_utils) subclasses `TrainRayActor` and supplies what differs: `_build`
 (model, optimizer, loading), `_micro_batches`, `_forward_log_probs` / `_forward_values`, `_step_gradients`
 and `_optimizer_step` (one optimizer step), `_snapshot_weights` / `_load_weights`, `_hf_weight_buckets`,
@@ -55,21 +61,160 @@ from slime.algorithms.advantages import compute_advantages_and_returns
 from slime.algorithms.aggregation import StepNormalizer, count_step_samples_and_tokens
 from slime.algorithms.losses import value_loss
 from slime.algorithms.policy_losses import loss_kind
+from slime.backends.weight_sync import WeightUpdater, choose_transport
 from slime.utils.device import cuda_available, distributed_backend
 from slime.utils.http_utils import find_free_port
 from slime.utils.misc import load_function, release_free_host_memory
 from slime.utils.perf import ModelShape, PhaseTimer, device_peak_tflops, forward_flops, peak_memory_gb
-from slime.utils.weight_sync import (
-    EngineLinks,
-    check_engines_match,
-    connect_engines,
-    probe_tokens,
-    update_engine_weights,
-)
+from slime.utils.weight_sync import probe_tokens
 
 logger = logging.getLogger(__name__)
 
 Weights = dict[str, torch.Tensor]
+
+
+# ---- where the old log-probs come from ------------------------------------------------------------------------
+class OldLogProbSource:
+    """Where `train` takes the old policy's log-probs, `data["log_probs"]`, from; chosen once at init
+    (`choose_old_log_prob_source`). This one takes none: nothing reads them (the critic; the SFT loss without
+    a reference)."""
+
+    def fuses(self, data: dict) -> bool:
+        """Whether the training forward fills them for this rollout (`_step_gradients`' `fill`)."""
+        return False
+
+    def fill(self, trainer: TrainRayActor, data: dict, steps: list[list], timer: PhaseTimer) -> list | None:
+        """Set `data["log_probs"]` before the advantages; return the trainer's own log-probs of the rollout if it
+        computed them beside the old ones, only to compare them with the engines'."""
+        return None
+
+    def compared(self, data: dict, own: list | None) -> list | None:
+        """After the optimizer steps: the trainer's log-probs of the rollout, compared with the engines'."""
+        return data.get("log_probs")
+
+    def after_push(self, trainer: TrainRayActor, version: int) -> None:
+        """Called on every rank after weight push `version`."""
+
+
+class CurrentWeightLogProbs(OldLogProbSource):
+    """A forward pass with the current weights before the optimizer steps."""
+
+    def fill(self, trainer: TrainRayActor, data: dict, steps: list[list], timer: PhaseTimer) -> None:
+        with timer.phase("log_probs"):
+            data["log_probs"] = trainer._forward_log_probs(steps, len(data["tokens"]))
+
+
+class FusedForwardLogProbs(CurrentWeightLogProbs):
+    """With one optimizer step in the rollout, the training forward's own (detached): the policy the step starts
+    from is the old one, so they equal a separate pass's at no extra forward. A rollout of several steps takes a
+    separate pass."""
+
+    def fuses(self, data: dict) -> bool:
+        return data["num_steps"] == 1
+
+    def fill(self, trainer: TrainRayActor, data: dict, steps: list[list], timer: PhaseTimer) -> None:
+        if not self.fuses(data):
+            return super().fill(trainer, data, steps, timer)
+        data["log_probs"] = [None] * len(data["tokens"])  # filled by the training forward
+        return None
+
+
+class KeptWeightLogProbs(OldLogProbSource):
+    """--keep-old-actor: a forward with this rank's copy of the weights the engines generated the rollout with.
+
+    A copy is taken after every push; the two newest are kept, since a rollout is generated at most one push
+    behind the trainer (train_async.py trains on a rollout one push behind, train.py on the latest push).
+    """
+
+    def __init__(self):
+        self.pushed: dict[int, Weights] = {}  # weight version -> CPU copy of this rank's weights then
+
+    def after_push(self, trainer: TrainRayActor, version: int) -> None:
+        reuse = self.pushed.pop(min(self.pushed)) if len(self.pushed) >= 2 else None
+        self.pushed[version] = trainer._snapshot_weights(into=reuse)
+
+    def fill(self, trainer: TrainRayActor, data: dict, steps: list[list], timer: PhaseTimer) -> None:
+        with timer.phase("log_probs"):
+            weights = self._behaviour_weights(trainer, data)
+            data["log_probs"] = trainer._log_probs_with(weights, steps, len(data["tokens"]))
+
+    def _behaviour_weights(self, trainer: TrainRayActor, data: dict) -> Weights:
+        """The kept copy of the newest weight version the rollout's samples carry (`weight_versions`, the
+        version the engine reported), over all data-parallel ranks."""
+        versions = data.get("weight_versions")
+        if not versions or any(v in (None, "") for v in versions):
+            raise ValueError(
+                "--keep-old-actor needs the weight version each sample was generated with (the rollout data's "
+                "weight_versions, from Sample.weight_versions): the default generate records the engine's "
+                "meta_info weight_version; a custom generate function must append it too"
+            )
+        try:
+            newest = max(int(v) for v in versions)
+        except ValueError:
+            raise ValueError(
+                f"--keep-old-actor: weight versions {sorted(set(versions))} are not versions this trainer pushed"
+            ) from None
+        newest_tensor = torch.tensor([newest], dtype=torch.int64)
+        newest = int(trainer._all_reduce(newest_tensor, trainer._data_parallel_group(), dist.ReduceOp.MAX).item())
+        if newest not in self.pushed:
+            raise RuntimeError(
+                f"--keep-old-actor: the rollout was generated with weight version {newest}, but the trainer keeps "
+                f"only versions {sorted(self.pushed)} (the last two pushes)"
+            )
+        return self.pushed[newest]
+
+
+class EngineLogProbs(OldLogProbSource):
+    """--use-rollout-logprobs: the engines' own. With `measure_mismatch` (--get-mismatch-metrics) the trainer
+    also runs a forward with the current weights, only to measure the gap to them."""
+
+    def __init__(self, measure_mismatch: bool):
+        self.measure_mismatch = measure_mismatch
+
+    def fill(self, trainer: TrainRayActor, data: dict, steps: list[list], timer: PhaseTimer) -> list | None:
+        data["log_probs"] = data["rollout_log_probs"]
+        return trainer._forward_log_probs(steps, len(data["tokens"])) if self.measure_mismatch else None
+
+    def compared(self, data: dict, own: list | None) -> list | None:
+        return own
+
+
+def choose_old_log_prob_source(args, has_reference: bool, can_fuse: bool) -> OldLogProbSource:
+    """The actor's old-log-prob source from its flags.
+
+    Args:
+        args: Parsed slime arguments.
+        has_reference: The actor keeps reference weights (a KL term reads the old log-probs too).
+        can_fuse: The backend's `_step_gradients` can fill them from the training forward.
+    """
+    if args.use_rollout_logprobs:
+        return EngineLogProbs(args.get_mismatch_metrics)
+    if can_fuse and _nothing_reads_old_log_probs_before_the_step(args, has_reference):
+        return FusedForwardLogProbs()
+    if args.loss_type == "sft_loss" and not has_reference:  # the SFT loss reads the current log-probs only
+        return OldLogProbSource()
+    if args.keep_old_actor:
+        return KeptWeightLogProbs()
+    return CurrentWeightLogProbs()
+
+
+def _nothing_reads_old_log_probs_before_the_step(args, has_reference: bool) -> bool:
+    """Whether the old log-probs may wait for the training forward: no reference KL in the rewards, no kept
+    weights, the policy loss, and no custom advantage, hook or teacher term that reads them (or changes the
+    weights) before the step."""
+    return (
+        not args.keep_old_actor
+        and not has_reference
+        and args.loss_type == "policy_loss"
+        and not getattr(args, "custom_advantage_function_path", None)
+        and not args.rollout_data_postprocess_path
+        and not getattr(args, "custom_megatron_before_train_step_hook_path", None)  # may change the weights
+        and not args.use_opd  # the teacher term needs the student's old log-probs before the step
+    )
+
+
+def _load_hook(path: str | None) -> Callable | None:
+    return load_function(path) if path else None
 
 
 class TrainRayActor:
@@ -84,6 +229,8 @@ class TrainRayActor:
 
     # The backend's loss functions by `loss_kind` ("policy", "sft", "custom"); the critic uses `value_loss`.
     loss_functions: dict[str, Callable] = {}
+    # Whether `_step_gradients` can store the training forward's log-probs as the old ones (`FusedForwardLogProbs`).
+    fuses_old_log_probs: bool = False
 
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size
@@ -144,15 +291,28 @@ class TrainRayActor:
         if role == "actor" and (args.use_kl_loss or args.kl_coef != 0) and not with_ref:
             raise ValueError("--use-kl-loss / --kl-coef need reference log-probs: init the actor with with_ref=True")
         self.args, self.role = args, role
-        self.metric_prefix = "train/" if role == "actor" else ""
         self.ref_weights: Weights | None = None  # set by `_build` when with_ref
         self.actor_backup: Weights | None = None
-        self.engine_links: EngineLinks | None = None
-        self.weight_version = 0
-        # --keep-old-actor: weight version pushed to the engines -> CPU copy of this rank's weights then
-        self.pushed_weights: dict[int, Weights] = {}
         # --use-rollout-routing-replay: the policy's forwards route as the engines did (off for the reference)
         self.replay_routing = role == "actor" and getattr(args, "use_rollout_routing_replay", False)
+        # What the role changes, decided here once (the role itself only names metrics, phases and logs).
+        self.value_head = role == "critic"  # the model ends in PPO's value head, not the LM head
+        self.metric_prefix = "train/" if role == "actor" else ""
+        self.checkpoint_subfolder = None if role == "actor" else "critic"
+        if role == "actor":
+            self.loss_function = self.loss_functions[loss_kind(args.loss_type)]
+            self._fill_train_inputs = self._fill_policy_inputs
+            self.old_log_probs = choose_old_log_prob_source(args, with_ref, self.fuses_old_log_probs)
+            self.weight_updater = WeightUpdater(self.rank, check_first_push=args.check_weight_update_equal)
+            self.hf_export = getattr(args, "save_hf", None)
+        else:
+            self.loss_function = value_loss
+            self._fill_train_inputs = self._fill_value_inputs
+            self.old_log_probs = OldLogProbSource()
+            self.weight_updater = None
+            self.hf_export = None
+        self.rollout_data_postprocess = _load_hook(args.rollout_data_postprocess_path)
+        self.before_train_step = _load_hook(getattr(args, "custom_megatron_before_train_step_hook_path", None))
         self.init_process_group(args)
         self.model_shape = (
             ModelShape.from_hf_config(AutoConfig.from_pretrained(args.hf_checkpoint)) if (args.hf_checkpoint) else None
@@ -164,7 +324,12 @@ class TrainRayActor:
         """Where this role's checkpoints live under `--save` / `--load` (the critic uses a subfolder)."""
         if not folder:
             return None
-        return folder if self.role == "actor" else os.path.join(folder, "critic")
+        return os.path.join(folder, self.checkpoint_subfolder) if self.checkpoint_subfolder else folder
+
+    @property
+    def weight_version(self) -> int:
+        """The actor's last weight version pushed to the engines (0 before the first push)."""
+        return self.weight_updater.version
 
     # ---- data ----------------------------------------------------------------------------------
     def _prepare(self, rollout_data: Any) -> dict:
@@ -214,7 +379,7 @@ class TrainRayActor:
         Returns:
             One list of floats per sample, in shard order (equal on every rank of a model-parallel group).
         """
-        if self.role != "critic":
+        if not self.value_head:
             raise RuntimeError("compute_values is the critic's: init this rank with role 'critic'")
         data = self._prepare(rollout_data)
         values = self._forward_values(self._micro_batches(data), len(data["tokens"]))
@@ -236,48 +401,20 @@ class TrainRayActor:
         data = self._prepare(rollout_data)
         self._check_rollout_routing(data)
         steps = self._micro_batches(data)
-        num_samples = len(data["tokens"])
         timer = PhaseTimer()
-        train_log_probs = None  # the trainer's log-probs of the rollout, compared with the engines'
-        # The teacher term needs the student's old log-probs before the step, not from the step's own forward.
-        fuse_old_log_probs = self._can_fuse_old_log_probs(data) and not self.args.use_opd
-        if self.role == "critic":
-            data["values"] = self._take_remembered_values(data)
-            if data["values"] is None:
-                with timer.phase("values"):
-                    data["values"] = self._forward_values(steps, num_samples)
-        else:
-            self._check_rollout_log_probs(data)
-            self._check_teacher_log_probs(data)
-            if self.ref_weights is not None:
-                with timer.phase("ref_log_probs"), self._routing_replay_off():
-                    data["ref_log_probs"] = self._log_probs_with(self.ref_weights, steps, num_samples)
-            if self.args.use_rollout_logprobs:
-                data["log_probs"] = data["rollout_log_probs"]
-                if self.args.get_mismatch_metrics:  # the trainer's own log-probs, only to measure the gap
-                    train_log_probs = self._forward_log_probs(steps, num_samples)
-            elif fuse_old_log_probs:
-                data["log_probs"] = [None] * num_samples  # filled by the training forward
-            elif not self._old_log_probs_unused(has_reference=self.ref_weights is not None):
-                with timer.phase("log_probs"):
-                    if self.args.keep_old_actor:  # the policy that generated the rollout, not the current weights
-                        data["log_probs"] = self._log_probs_with(self._behaviour_weights(data), steps, num_samples)
-                    else:
-                        data["log_probs"] = self._forward_log_probs(steps, num_samples)
-            if values_refs is not None:
-                data["values"] = self._values_for_this_rank(values_refs)
+        fuse_old_log_probs = self._can_fuse_old_log_probs(data)
+        own_log_probs = self._fill_train_inputs(data, steps, values_refs, timer)
         if not self.args.disable_compute_advantages_and_returns:
             compute_advantages_and_returns(self.args, data, self._data_parallel_group(), self._collective_device())
-        if self.args.rollout_data_postprocess_path:
-            load_function(self.args.rollout_data_postprocess_path)(self.args, rollout_id, data)
+        if self.rollout_data_postprocess is not None:
+            self.rollout_data_postprocess(self.args, rollout_id, data)
 
         with timer.phase(f"{self.role}_train"):
             metrics = self._optimize(rollout_id, steps, data, fuse_old_log_probs)
         if data.get("opd_reverse_kl") is not None:  # mean log pi_student - log pi_teacher over trainable tokens
             metrics["opd_reverse_kl"] = self._masked_token_mean(data["opd_reverse_kl"], data["loss_masks"])
-        if not self.args.use_rollout_logprobs:
-            train_log_probs = data.get("log_probs")
-        if self.role == "actor" and train_log_probs is not None and data.get("rollout_log_probs") is not None:
+        train_log_probs = self.old_log_probs.compared(data, own_log_probs)
+        if train_log_probs is not None and data.get("rollout_log_probs") is not None:
             metrics["train_rollout_logprob_abs_diff"], metrics["train_rollout_logprob_max_abs_diff"] = (
                 self._logprob_abs_diff(train_log_probs, data["rollout_log_probs"], data["loss_masks"])
             )
@@ -290,6 +427,26 @@ class TrainRayActor:
         return {f"{self.metric_prefix}{name}": value for name, value in metrics.items()} | self._perf_metrics(
             timer, data, steps
         )
+
+    def _fill_policy_inputs(self, data: dict, steps: list[list], values_refs: Any, timer: PhaseTimer) -> list | None:
+        """Actor: reference and old log-probs, and under PPO the critic's values; returns the trainer's own
+        log-probs where the old ones are not the trainer's (`OldLogProbSource.fill`)."""
+        self._check_rollout_log_probs(data)
+        self._check_teacher_log_probs(data)
+        if self.ref_weights is not None:
+            with timer.phase("ref_log_probs"), self._routing_replay_off():
+                data["ref_log_probs"] = self._log_probs_with(self.ref_weights, steps, len(data["tokens"]))
+        own_log_probs = self.old_log_probs.fill(self, data, steps, timer)
+        if values_refs is not None:
+            data["values"] = self._values_for_this_rank(values_refs)
+        return own_log_probs
+
+    def _fill_value_inputs(self, data: dict, steps: list[list], values_refs: Any, timer: PhaseTimer) -> None:
+        """Critic: its own values of the shard, those `compute_values` kept or a forward now."""
+        data["values"] = self._take_remembered_values(data)
+        if data["values"] is None:
+            with timer.phase("values"):
+                data["values"] = self._forward_values(steps, len(data["tokens"]))
 
     def _perf_metrics(self, timer: PhaseTimer, data: dict, steps: list[list]) -> dict[str, float]:
         """Phase times of this rank, TFLOPs and MFU per device of the training step, peak memory over ranks."""
@@ -363,15 +520,10 @@ class TrainRayActor:
                     "Sample.teacher_log_probs must hold one log-prob per response token"
                 )
 
-    def _old_log_probs_unused(self, has_reference: bool) -> bool:
-        """Nothing reads the old log-probs: the SFT loss uses the current ones, and without a reference
-        no KL term needs them either."""
-        return self.args.loss_type == "sft_loss" and not has_reference
-
     def _can_fuse_old_log_probs(self, data: dict) -> bool:
-        """Whether `_step_gradients` may fill `data["log_probs"]` from the training forward itself
-        (one forward pass less); a backend that can says when."""
-        return False
+        """Whether `_step_gradients` fills `data["log_probs"]` from the training forward itself in this rollout
+        (one forward pass less)."""
+        return self.old_log_probs.fuses(data)
 
     def _remember_values(self, data: dict, values: list[torch.Tensor]) -> None:
         """Critic: keep `compute_values`' values for the `train` call on the same shard."""
@@ -391,35 +543,6 @@ class TrainRayActor:
         finally:
             self._load_weights(self.actor_backup)
 
-    def _behaviour_weights(self, data: dict) -> Weights:
-        """--keep-old-actor: this rank's copy of the weights the engines generated the rollout with.
-
-        Samples carry the weight version the engine reported (`weight_versions`); the newest version of the
-        rollout over all ranks is used. train_async.py trains on a rollout one weight push behind, so that
-        is the previous push there, the latest push in train.py.
-        """
-        versions = data.get("weight_versions")
-        if not versions or any(v in (None, "") for v in versions):
-            raise ValueError(
-                "--keep-old-actor needs the weight version each sample was generated with (the rollout data's "
-                "weight_versions, from Sample.weight_versions): the default generate records the engine's "
-                "meta_info weight_version; a custom generate function must append it too"
-            )
-        try:
-            newest = max(int(v) for v in versions)
-        except ValueError:
-            raise ValueError(
-                f"--keep-old-actor: weight versions {sorted(set(versions))} are not versions this trainer pushed"
-            ) from None
-        newest_tensor = torch.tensor([newest], dtype=torch.int64)
-        newest = int(self._all_reduce(newest_tensor, self._data_parallel_group(), dist.ReduceOp.MAX).item())
-        if newest not in self.pushed_weights:
-            raise RuntimeError(
-                f"--keep-old-actor: the rollout was generated with weight version {newest}, but the trainer keeps "
-                f"only versions {sorted(self.pushed_weights)} (the last two pushes)"
-            )
-        return self.pushed_weights[newest]
-
     def _end_of_rollout(self, rollout_id: int) -> None:
         """--ref-update-interval: the reference becomes the actor every N rollouts; --reset-optimizer-states."""
         interval = self.args.ref_update_interval
@@ -432,15 +555,15 @@ class TrainRayActor:
     def _optimize(self, rollout_id: int, steps: list[list], data: dict, fill_old_log_probs: bool) -> dict[str, float]:
         """Run one optimizer step per entry of `steps`; return metrics averaged over steps and reduced over ranks."""
         normalizers = self._step_normalizers(steps, data)
-        loss_function = value_loss if self.role == "critic" else self.loss_functions[loss_kind(self.args.loss_type)]
-        hook = getattr(self.args, "custom_megatron_before_train_step_hook_path", None)
         started = time.time()
         step_sums: list[dict[str, float]] = []
         grad_norms, lrs, skipped = [], [], 0
         for step_id, (micro_batches, normalizer) in enumerate(zip(steps, normalizers, strict=True)):
-            if hook:
-                load_function(hook)(self.args, rollout_id, step_id, self.model, self.optimizer, self.lr_scheduler)
-            step_sums.append(self._step_gradients(micro_batches, data, loss_function, normalizer, fill_old_log_probs))
+            if self.before_train_step is not None:
+                self.before_train_step(self.args, rollout_id, step_id, self.model, self.optimizer, self.lr_scheduler)
+            step_sums.append(
+                self._step_gradients(micro_batches, data, self.loss_function, normalizer, fill_old_log_probs)
+            )
             lrs.append(self.optimizer.param_groups[0]["lr"])
             grad_norm = self._optimizer_step()
             if math.isfinite(grad_norm):
@@ -555,8 +678,8 @@ class TrainRayActor:
         root = self._checkpoint_root(self.args.save)
         if root:
             self._save_checkpoint(root, rollout_id, update_tracker)
-        if self.role == "actor" and getattr(self.args, "save_hf", None):
-            self._save_hf(self.args.save_hf.format(rollout_id=rollout_id))
+        if self.hf_export:
+            self._save_hf(self.hf_export.format(rollout_id=rollout_id))
 
     # ---- weight sync ---------------------------------------------------------------------------
     def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
@@ -569,26 +692,19 @@ class TrainRayActor:
                 `EngineClient`s of `--rollout-external-engine-addrs`).
             engine_urls: Their base URLs (used to pick the address engines reach this rank at).
         """
-        self.engine_links = connect_engines(
-            self.args, engines, engine_urls, self.rank, dist.get_world_size(), previous=self.engine_links
-        )
+        transport = choose_transport(self.args, self.device, previous=self.weight_updater.transport)
+        self.weight_updater.connect(transport, engines, engine_urls)
 
     def update_weights(self) -> None:
         """Push the current weights to every engine (paused meanwhile) under the next weight version."""
-        if self.role != "actor":
+        if self.weight_updater is None:
             raise RuntimeError("only the actor syncs weights to the engines; the critic's value head is not an LM")
-        if self.engine_links is None or not self.engine_links.engines:
+        if not self.weight_updater.engines:
             raise RuntimeError("update_weights before connect_rollout_engines: the actor has no engines to update")
         dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else None
-        update_engine_weights(
-            self.engine_links, self._hf_weight_buckets(dtype), self.rank, str(self.weight_version + 1)
-        )
-        self.weight_version += 1
-        if self.args.keep_old_actor:
-            # The two newest pushes: a rollout is generated at most one push behind the trainer.
-            reuse = self.pushed_weights.pop(min(self.pushed_weights)) if len(self.pushed_weights) >= 2 else None
-            self.pushed_weights[self.weight_version] = self._snapshot_weights(into=reuse)
-        if self.args.check_weight_update_equal and self.weight_version == 1:
+        version = self.weight_updater.push(self._hf_weight_buckets(dtype))
+        self.old_log_probs.after_push(self, version)
+        if self.weight_updater.check_first_push and version == 1:
             self.check_weights_equal()
 
     def check_weights_equal(self) -> dict[str, float]:
@@ -607,8 +723,7 @@ class TrainRayActor:
         trainer = self._forward_log_probs(self._probe_micro_batches(probe), 1, temperature=1.0)[0]
         if self.rank != 0:
             return {"max_abs_diff": 0.0}
-        engines = self.engine_links.engines if self.engine_links else []
-        gap = check_engines_match(engines, probe, trainer, self.weight_version)
+        gap = self.weight_updater.check(probe, trainer)
         logger.info("weight check passed: max probe log-prob gap %.3g", gap)
         return {"max_abs_diff": gap}
 

@@ -1,7 +1,8 @@
 """How weights travel from a trainer to the inference engines; shared by both sides.
 
-Senders are the trainers (FSDP, Megatron), receivers are the engines (SGLang, or slime's CPU
-engine, which follows SGLang's conventions so a trainer never needs to know which one it talks to).
+Senders are the trainers (FSDP, Megatron; their transports, which call the engines, are in
+`slime.backends.weight_sync`), receivers are the engines (SGLang, or slime's CPU engine, which follows
+SGLang's conventions so a trainer never needs to know which one it talks to). Nothing here calls an engine.
 
 - Same host, CPU tensors (`/update_weights_from_tensor` with `load_format=SHARED_MEMORY_FORMAT`, the CPU
   engine): a trainer process keeps named shared-memory segments under /dev/shm for its whole life, two per

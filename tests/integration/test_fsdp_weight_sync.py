@@ -126,16 +126,18 @@ def test_update_weights_makes_engine_match_trainer(tiny_model_dir, engine, coloc
     "the trainer raises with the engine's own message; the engine is not left paused and keeps its weights",
 )
 def test_failed_update_leaves_engine_serving(tiny_model_dir, engine):
+    from slime.backends.weight_sync import SharedMemoryTransport, WeightUpdater
     from slime.utils.http_utils import find_free_port
-    from slime.utils.weight_sync import EngineLinks, update_engine_weights
 
-    client, _ = engine
+    client, url = engine
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
     before = engine_prompt_log_probs(client, PROBE)
-    links = EngineLinks([client], colocate=True, gpus_per_engine=1, span_groups=[None], broadcast_group=None)
+    updater = WeightUpdater(rank=0)
+    updater.connect(SharedMemoryTransport(gpus_per_engine=1), [client], [url])
     bucket = [("model.layers.0.mlp.no_such_proj.weight", torch.zeros(4, 4))]
     with pytest.raises(RuntimeError, match="no_such_proj"):
-        update_engine_weights(links, [bucket], rank=0, version="7")
+        updater.push([bucket])
+    assert updater.version == 0
     assert client.get_server_info()["internal_states"][0]["paused"] is False
     assert torch.equal(engine_prompt_log_probs(client, PROBE), before)

@@ -34,8 +34,9 @@ from support.engines import REPO_ROOT, engine_server
 from transformers import AutoModelForCausalLM
 
 from slime.backends.sglang_utils.http_client import EngineClient
+from slime.backends.weight_sync import SharedMemoryTransport
 from slime.utils.http_utils import find_free_port
-from slime.utils.weight_sync import bucket_named_tensors, probe_tokens, send_buckets_as_tensors
+from slime.utils.weight_sync import bucket_named_tensors, probe_tokens
 from slime.utils.weight_transport import (
     SHARED_MEMORY_FORMAT,
     SHM_DIR,
@@ -289,6 +290,8 @@ def _engine_log_probs(url: str, tokens: list[int]) -> torch.Tensor:
 def test_pushes_reuse_the_segments_and_deliver_the_new_values(tiny_model_dir, shm_engine):
     process, url = shm_engine
     client = RecordingClient(url)
+    transport = SharedMemoryTransport(gpus_per_engine=1)
+    transport.connect([client], [url], rank=0, world_size=1)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     probe = probe_tokens(model.config.vocab_size)
     generator = torch.Generator().manual_seed(0)
@@ -299,9 +302,7 @@ def test_pushes_reuse_the_segments_and_deliver_the_new_values(tiny_model_dir, sh
                 param.add_(torch.randn(param.shape, generator=generator), alpha=0.05)
         client.calls.clear()
         buckets = bucket_named_tensors(((n, p.detach()) for n, p in model.named_parameters()), 40_000)
-        send_buckets_as_tensors(
-            buckets, [client], rank=0, gpus_per_engine=1, span_groups=[None], weight_version=version
-        )
+        transport.push(buckets, version)
         assert all(call["load_format"] == SHARED_MEMORY_FORMAT for call in client.calls)
         counts = [int(re.fullmatch(r"updated (\d+) tensors", call["response"]["message"])[1]) for call in client.calls]
         assert sum(counts) == len(list(model.parameters()))

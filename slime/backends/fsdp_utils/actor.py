@@ -8,7 +8,7 @@ Log-prob passes use the same packed micro-batches as training, so at the first o
 recomputed old log-probs, the reference log-probs (when reference == actor) and the training
 forward agree bit for bit (`ppo_kl` and the KL loss are exactly 0); `--log-probs-max-tokens-per-gpu`
 is therefore not used. With one optimizer step per rollout the old log-probs come from the training
-forward itself when nothing reads them earlier (`_can_fuse_old_log_probs`): one forward pass less.
+forward itself when nothing reads them earlier (`fuses_old_log_probs`): one forward pass less.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ class FSDPTrainRayActor(TrainRayActor):
     """One FSDP training rank (actor or critic); see slime/backends/train_actor.py for the driver protocol."""
 
     loss_functions = LOSS_FUNCTIONS
+    # The training forward runs over the same micro-batches as a separate no-grad pass, so its detached
+    # log-probs are bit-identical to that pass's: `FusedForwardLogProbs` may take them.
+    fuses_old_log_probs = True
 
     # ---- setup ---------------------------------------------------------------------------------
     def _build(self, args: Namespace, with_ref: bool) -> int:
@@ -83,19 +86,20 @@ class FSDPTrainRayActor(TrainRayActor):
         )
         self.attn_implementation = model.config._attn_implementation
         # the probe of `check_weights_equal` (actor only: the critic's ValueModel has no LM embeddings API)
-        self.vocab_size = model.get_input_embeddings().weight.shape[0] if self.role == "actor" else None
+        self.vocab_size = None if self.value_head else model.get_input_embeddings().weight.shape[0]
         if args.only_train_params_name_list or args.freeze_params_name_list:
             trainable = select_trainable_parameters(
                 model, args.only_train_params_name_list, args.freeze_params_name_list
             )
             logger.info("rank %d: training %d of the model's parameter tensors", self.rank, len(trainable))
         # --use-rollout-routing-replay: the actor's MoE routers take the engines' experts (`_response_logits`)
-        replay = self.role == "actor" and getattr(args, "use_rollout_routing_replay", False)
-        self.routers = HFRouters(model, model.config.num_hidden_layers) if replay else None
+        self.routers = HFRouters(model, model.config.num_hidden_layers) if self.replay_routing else None
         self.model, _ = shard_model(model, self.dp_size, bf16=getattr(args, "bf16", False))
         self.optimizer = build_optimizer(args, self.model)
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
         self.ref_weights = self._reference_shards() if with_ref else None
+        # What `_step_gradients` computes the loss from: the critic's values or the policy's logits.
+        self._training_output = self._values_output if self.value_head else self._policy_output
 
         start_rollout_id = 0
         load_root = self._checkpoint_root(args.load)
@@ -160,9 +164,13 @@ class FSDPTrainRayActor(TrainRayActor):
         return self._forward_per_sample(steps, num_samples, log_probs)
 
     def _forward_values(self, steps: Steps, num_samples: int) -> list:
-        return self._forward_per_sample(
-            steps, num_samples, lambda micro_batch: response_values(self.model, micro_batch)
-        )
+        return self._forward_per_sample(steps, num_samples, self._values_output)
+
+    def _policy_output(self, micro_batch: PackedMicroBatch) -> torch.Tensor:
+        return self._response_logits(micro_batch, self.args.rollout_temperature)
+
+    def _values_output(self, micro_batch: PackedMicroBatch) -> torch.Tensor:
+        return response_values(self.model, micro_batch)
 
     def _response_logits(self, micro_batch: PackedMicroBatch, temperature: float) -> torch.Tensor:
         """`response_logits`, the routers replaying the micro-batch's routing when `replay_routing` is on.
@@ -192,27 +200,6 @@ class FSDPTrainRayActor(TrainRayActor):
         return outputs
 
     # ---- training ------------------------------------------------------------------------------
-    def _can_fuse_old_log_probs(self, data: dict) -> bool:
-        """Whether the old log-probs can come from the training forward itself instead of a separate pass.
-
-        With one optimizer step per rollout the policy that the step starts from is the "old" policy,
-        so its log-probs are the training forward's own (detached): bit-identical to a separate
-        no-grad pass over the same micro-batches, at no extra forward. Only when nothing needs them
-        before the step: no reference KL in the rewards, no custom advantage, hooks or loss.
-        """
-        args = self.args
-        return (
-            self.role == "actor"
-            and data["num_steps"] == 1
-            and not args.use_rollout_logprobs
-            and not args.keep_old_actor
-            and self.ref_weights is None
-            and args.loss_type == "policy_loss"
-            and not getattr(args, "custom_advantage_function_path", None)
-            and not args.rollout_data_postprocess_path
-            and not getattr(args, "custom_megatron_before_train_step_hook_path", None)  # may change the weights
-        )
-
     def _step_gradients(
         self,
         micro_batches: list[PackedMicroBatch],
@@ -224,10 +211,7 @@ class FSDPTrainRayActor(TrainRayActor):
         sums: dict[str, float] = defaultdict(float)
         for micro_batch in micro_batches:
             batch = self._batch_inputs(micro_batch, data)
-            if self.role == "critic":
-                output = response_values(self.model, micro_batch)
-            else:
-                output = self._response_logits(micro_batch, self.args.rollout_temperature)
+            output = self._training_output(micro_batch)
             if fill:
                 with torch.no_grad():
                     flat = compute_log_probs(output, micro_batch.target_tokens)

@@ -165,11 +165,13 @@ class MegatronTrainRayActor(TrainRayActor):
             ref_source = args.ref_load or start_hf
             checkpoint.load_checkpoint(ref_source, self.model, iteration=self._ref_iteration(ref_source))
             self.ref_weights = self._snapshot_weights()
-        if self.role == "critic":
+        if self.value_head:
             load_backbone_from_hf(self.model, start_hf)  # the value head keeps its zeros
         elif not with_ref or args.ref_load:
             checkpoint.load_checkpoint(start_hf, self.model)
         self.optimizer.reload_model_params()  # fp32 main copies of 16-bit params follow the loaded weights
+        # What `_step_gradients` computes the loss from: the critic's values or the policy's log-probs and entropy.
+        self._training_outputs = self._response_values if self.value_head else self._policy_outputs
 
         start_rollout_id = 0
         load_root = self._checkpoint_root(args.load)
@@ -270,6 +272,12 @@ class MegatronTrainRayActor(TrainRayActor):
             entropy = gather_zigzag(local_entropy, bounds, self.cp_size, rank, group)[micro_batch.logit_positions]
         return ResponseOutputs(logits, log_probs, entropy if entropy_grad else entropy.detach())
 
+    def _policy_outputs(self, micro_batch: PackedMicroBatch, logits: torch.Tensor) -> ResponseOutputs:
+        """`_response_outputs` at the rollout temperature, the entropy differentiable when the loss uses it."""
+        return self._response_outputs(
+            micro_batch, logits, self.args.rollout_temperature, entropy_grad=self.args.entropy_coef != 0
+        )
+
     def _response_values(self, micro_batch: PackedMicroBatch, output: torch.Tensor) -> torch.Tensor:
         """Critic: `[M]` float32 values at the positions predicting the response tokens, from the last
         stage's `[1, n, 1]` value-head output (identical on every TP rank; gathered over CP ranks)."""
@@ -351,8 +359,6 @@ class MegatronTrainRayActor(TrainRayActor):
         normalizer: StepNormalizer,
         fill: bool,
     ) -> dict[str, float]:
-        temperature = self.args.rollout_temperature
-        entropy_grad = self.args.entropy_coef != 0
         # Each data-parallel shard's metrics are counted once: on its last pipeline stage, TP/CP rank 0.
         reports = (
             self.mpu.is_pipeline_last_stage(ignore_virtual=True)
@@ -363,10 +369,7 @@ class MegatronTrainRayActor(TrainRayActor):
         scale = len(micro_batches) * self.dp_size
 
         def loss_of_output(micro_batch, output):
-            if self.role == "critic":
-                outputs = self._response_values(micro_batch, output)
-            else:
-                outputs = self._response_outputs(micro_batch, output, temperature, entropy_grad)
+            outputs = self._training_outputs(micro_batch, output)
             loss, loss_metrics = loss_function(self.args, self._batch_inputs(micro_batch, data), outputs, normalizer)
             if reports:
                 for name, value in loss_metrics.items():
@@ -408,14 +411,14 @@ class MegatronTrainRayActor(TrainRayActor):
 
     def _hf_weight_buckets(self, dtype: torch.dtype | None) -> list[Bucket]:
         # With pipeline parallelism the stages forward their buckets (update_weight.py): to every rank
-        # when colocated (any rank may serve an engine), else only to rank 0, the broadcast sender.
+        # when colocated (any rank may serve an engine), else only to rank 0, the one sender.
         return hf_weight_buckets(
             self.model,
             self.family,
             self.vocab_size,
             self.args.update_weight_buffer_size,
             dtype,
-            to_every_rank=self.engine_links.colocate,
+            to_every_rank=self.weight_updater.every_rank_sends,
         )
 
     # ---- offload -------------------------------------------------------------------------------

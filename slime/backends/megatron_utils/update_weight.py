@@ -9,16 +9,16 @@ the final norm and the output layer (skipped when tied to the embedding), so the
 disjoint and together name every weight once.
 
 Pipeline parallelism: the engines need every stage's weights, but the transports in
-`slime.utils.weight_sync` send from fixed ranks (the first rank of each colocated engine's span, or
-training rank 0 for the broadcast group), which hold one stage. So the stages forward their buckets
-along their pipeline group: stage 0's rank produces its buckets and broadcasts each one to the other
-ranks of its pipeline group, then stage 1's rank does the same, and so on. Every receiving rank
+`slime.backends.weight_sync` send from fixed ranks (the first rank of each colocated engine's span, or
+training rank 0 for the broadcast group and the disk folder), which hold one stage. So the stages forward
+their buckets along their pipeline group: stage 0's rank produces its buckets and broadcasts each one to
+the other ranks of its pipeline group, then stage 1's rank does the same, and so on. Every receiving rank
 yields the buckets in that order, so the transport on top sees one stream of the whole model and
-each tensor exactly once; the transports and `update_engine_weights` stay backend-neutral.
+each tensor exactly once; the transports and `WeightUpdater` stay backend-neutral.
 
-- Colocated (tensor path): any rank may serve an engine, so every pipeline group forwards and every
-  rank yields the whole model (`hf_weight_buckets(..., to_every_rank=True)`).
-- Disaggregated (broadcast path): only training rank 0 sends, so only the pipeline group of rank 0
+- Colocated (tensor paths, `WeightTransport.every_rank_sends`): any rank may serve an engine, so every
+  pipeline group forwards and every rank yields the whole model (`hf_weight_buckets(..., to_every_rank=True)`).
+- Disaggregated (broadcast and disk): only training rank 0 sends, so only the pipeline group of rank 0
   forwards (`to_every_rank=False`); the other ranks still produce their own stage's buckets, since
   that is a tensor/expert-parallel collective rank 0's stage-mates may be part of, but yield nothing.
   The price of one sending rank is that the stages' sends are serialized through it; per-stage
@@ -76,8 +76,8 @@ def hf_weight_buckets(
         buffer_size: Bucket byte limit.
         dtype: Cast to this dtype (None keeps the parameter dtype).
         to_every_rank: With pipeline parallelism, whether every rank gets the whole model (colocated
-            engines) or only the pipeline group of training rank 0 does (broadcast transport); the
-            other ranks then yield nothing.
+            engines) or only the pipeline group of training rank 0 does (broadcast and disk transports);
+            the other ranks then yield nothing.
 
     Yields:
         Lists of (HF name, contiguous tensor on the training device), each name once over all buckets.
