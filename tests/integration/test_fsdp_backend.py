@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from support.fsdp import (
     CAPTURE_HOOK,
     CAPTURED,
@@ -17,6 +16,7 @@ from support.fsdp import (
     new_actor,
     plain_response_log_probs,
 )
+from support.ranks import spawn_ranks
 from transformers import AutoModelForCausalLM
 
 from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
@@ -261,7 +261,7 @@ def _dp_worker(rank: int, world_size: int, port: int, args, shards: list[dict], 
 
 
 def _run_ranks(world_size: int, args, shards: list[dict], out_dir) -> dict:
-    mp.spawn(_dp_worker, args=(world_size, find_free_port(), args, shards, str(out_dir)), nprocs=world_size)
+    spawn_ranks(_dp_worker, (world_size, find_free_port(), args, shards, str(out_dir)), world_size)
     return torch.load(f"{out_dir}/rank0.pt", weights_only=False)
 
 

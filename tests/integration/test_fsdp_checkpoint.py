@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from support.fsdp import CAPTURE_HOOK, CAPTURED, base_flags, make_rollout, plain_response_log_probs
+from support.ranks import spawn_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.backends.fsdp_utils import checkpoint
@@ -147,7 +147,7 @@ def test_checkpoint_from_one_rank_loads_on_two(tiny_model_dir, tmp_path):
     actor.train(0, make_rollout(8, seed=2, num_steps=2))
     actor.save_model(0)
     saved = gather_full_state_dict(actor.model)
-    mp.spawn(_load_worker, args=(2, find_free_port(), args, str(tmp_path)), nprocs=2)
+    spawn_ranks(_load_worker, (2, find_free_port(), args, str(tmp_path)), 2)
     for rank in range(2):
         loaded = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
         assert loaded["start"] == 1

@@ -141,7 +141,7 @@ def runs(tmp_path_factory):
         ("ep2", "qwen3_moe"),
     ],
 )
-def testmegatron_logits_match_hf(runs, layout, family):
+def test_megatron_logits_match_hf(runs, layout, family):
     reference, results = runs
     for rank, result in enumerate(results):
         logits = result["logits"][(layout, family)]

@@ -1,17 +1,17 @@
-"""Run a function in N fresh gloo processes with megatron-core redirected to the CPU.
+"""Run a function in N fresh gloo processes (forked from a fork server with the heavy imports done) with
+megatron-core redirected to the CPU.
 
 The CUDA->CPU patch (`slime.backends.megatron_utils.cpu_compat`) is applied only inside the spawned
 workers, never in the pytest process: HF reference models run in the pytest process untouched.
 
     results = run_in_processes(worker, world_size=2, args=(model_dir,))
 
-`worker(rank, world_size, *args)` must be a module-level function (spawn pickles it by name); its
+`worker(rank, world_size, *args)` must be a module-level function (it is pickled by name); its
 return value must be picklable (tensors are fine) and comes back as `results[rank]`.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import tempfile
 import time
@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from slime.utils.http_utils import find_free_port
+from support.ranks import rank_process_context
 
-# Generous: two processes share two busy cores and each imports megatron-core (~5 s).
+# Generous: two processes share two busy cores.
 DEFAULT_TIMEOUT_S = 240
 
 
@@ -56,7 +57,7 @@ def run_in_processes(
     Raises:
         RuntimeError: a worker failed (its traceback is in the message) or timed out.
     """
-    context = multiprocessing.get_context("spawn")
+    context = rank_process_context()
     port = find_free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         processes = [

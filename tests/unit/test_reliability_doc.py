@@ -49,7 +49,7 @@ def _is_reliability_marker(node: ast.expr) -> bool:
 def collect_cases(tests_dir: Path = TESTS) -> list[Case]:
     """Every `@pytest.mark.reliability(fault, answer)` on a test function under `tests_dir`."""
     cases = []
-    for path in sorted(tests_dir.glob("test_*.py")):
+    for path in sorted(tests_dir.rglob("test_*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -58,7 +58,7 @@ def collect_cases(tests_dir: Path = TESTS) -> list[Case]:
                 if not _is_reliability_marker(decorator):
                     continue
                 fault, answer = (ast.literal_eval(arg) for arg in decorator.args)
-                cases.append(Case(fault, answer, f"tests/{path.name}::{node.name}"))
+                cases.append(Case(fault, answer, f"{path.relative_to(tests_dir.parent).as_posix()}::{node.name}"))
     return cases
 
 
