@@ -33,7 +33,7 @@ def train(args) -> None:
             if args.offload_rollout or args.offload_train:
                 with timer.phase("offload"):
                     if args.offload_rollout:
-                        ray.get(manager.offload.remote())
+                        metrics |= ray.get(manager.offload.remote())
                     if args.offload_train:
                         actor.onload()
             with timer.phase("train"):
@@ -44,9 +44,9 @@ def train(args) -> None:
             if args.offload_rollout or args.offload_train:
                 with timer.phase("offload"):
                     if args.offload_train:
-                        actor.offload()
+                        metrics |= actor.offload()
                     if args.offload_rollout:
-                        ray.get(manager.onload.remote())
+                        metrics |= ray.get(manager.onload.remote())
             with timer.phase("update_weights"):
                 metrics |= update_weights(run)
 

@@ -45,3 +45,15 @@ def ray_cluster():
     init_ray(num_cpus=8, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen3-MoE (2 layers, 8 experts, top 2; support.moe), built once per session."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("routing") / "moe", arch="qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def teacher_dir(tmp_path_factory) -> Path:
+    """A tiny model with `tiny_model_dir`'s tokenizer and architecture but other random weights (seed 1)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_teacher"), arch="llama", seed=1)

@@ -783,8 +783,8 @@ class TrainRayActor:
     def _save_hf(self, path: str) -> None:
         raise NotImplementedError
 
-    def offload(self) -> None:
-        """Free training memory while the engines generate (`--offload-train`)."""
+    def offload(self) -> int:
+        """Free training memory while the engines generate (`--offload-train`); returns the bytes freed."""
         raise NotImplementedError
 
     def onload(self) -> None:

@@ -187,8 +187,10 @@ class RayTrainGroup:
         results = ray.get([actor.check_weights_equal.remote() for actor in self.actors])
         return float(results[0]["max_abs_diff"])
 
-    def offload(self) -> None:
-        ray.get([actor.offload.remote() for actor in self.actors])
+    def offload(self) -> dict[str, float]:
+        """Free the ranks' training memory; returns `perf/actor_offload_freed_gb`, summed over the ranks."""
+        freed = ray.get([actor.offload.remote() for actor in self.actors])
+        return {"perf/actor_offload_freed_gb": sum(freed) / 2**30}
 
     def onload(self) -> None:
         ray.get([actor.onload.remote() for actor in self.actors])

@@ -263,16 +263,24 @@ class EnginePool:
         logger.info("engines %s are back in the router", urls)
 
     # ---- memory and shutdown -------------------------------------------------------------
-    def offload(self) -> None:
-        """Release the engines' memory for a colocated trainer."""
+    def offload(self) -> dict[str, float]:
+        """Release the engines' memory for a colocated trainer; returns `perf/engine_weight_memory_offloaded_gb`
+        (what the engines report holding afterwards, summed) where they report it."""
         if self.monitor is not None:
             self.monitor.pause()  # released engines answer health checks with 503 by design
         ray.get([engine.release_memory_occupation.remote() for engine in self.engines])
+        return self._weight_memory("perf/engine_weight_memory_offloaded_gb")
 
-    def onload(self) -> None:
+    def onload(self) -> dict[str, float]:
+        """Give the engines their memory back; returns `perf/engine_weight_memory_onloaded_gb` likewise."""
         ray.get([engine.resume_memory_occupation.remote() for engine in self.engines])
         if self.monitor is not None:
             self.monitor.resume()
+        return self._weight_memory("perf/engine_weight_memory_onloaded_gb")
+
+    def _weight_memory(self, key: str) -> dict[str, float]:
+        reported = ray.get([engine.weight_memory_gb.remote() for engine in self.engines])
+        return {key: sum(reported)} if reported and None not in reported else {}
 
     def dispose(self) -> None:
         """Stop the monitor, the engines slime started and the router; leaves no process behind."""

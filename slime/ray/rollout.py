@@ -489,13 +489,14 @@ class RolloutManager:
     def load(self, rollout_id: int | None = None) -> None:
         self.data_source.load(rollout_id)
 
-    def offload(self) -> None:
+    def offload(self) -> dict[str, float]:
+        """Release the engines' memory; returns what they report holding afterwards (see `EnginePool.offload`)."""
         self.wait_for_engines()
-        self.engine_pool.offload()
+        return self.engine_pool.offload()
 
-    def onload(self) -> None:
+    def onload(self) -> dict[str, float]:
         self.wait_for_engines()
-        self.engine_pool.onload()
+        return self.engine_pool.onload()
 
     def dispose(self) -> None:
         """Close the rollout functions (a background loop stops), then the engines and router; leaves no process

@@ -15,20 +15,12 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from support.tiny_model import build_tiny_model
-from transformers import AutoModelForCausalLM
+from support.moe import NUM_LAYERS, TOP_K, hf_routing
 
 from slime.backends.cpu_engine.engine import CpuEngine
 from slime.backends.cpu_engine.protocol import RequestError, build_generate_response, parse_generate_request
 from slime.utils.arguments import ArgumentValidationError, parse_args
-from slime.utils.moe_routing import HFRouters, decode_routed_experts, routing_shape
-
-NUM_LAYERS, TOP_K = 2, 2
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("routing") / "moe", arch="qwen3_moe"))
+from slime.utils.moe_routing import decode_routed_experts, routing_shape
 
 
 def _generate(engine: CpuEngine, body: dict) -> list:
@@ -85,15 +77,6 @@ def engine_rollout(model_dir: str, dtype: torch.dtype) -> dict:
 @pytest.fixture(scope="module")
 def rollouts(moe_dir):
     return {"float32": engine_rollout(moe_dir, torch.float32), "bfloat16": engine_rollout(moe_dir, torch.bfloat16)}
-
-
-def hf_routing(model_dir: str, tokens: list[int]) -> torch.Tensor:
-    """The experts a float32 HF forward over the whole sequence routes every token to."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    routers = HFRouters(model, NUM_LAYERS)
-    with torch.no_grad():
-        model(torch.tensor([tokens]))
-    return routers.take()
 
 
 def routing_mismatches(model_dir: str, data: dict) -> int:
@@ -242,25 +225,3 @@ def test_flag_refused_where_it_cannot_work(tiny_model_dir, moe_dir):
         )
     assert routing_shape({"num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2}) == (2, 2)
     assert routing_shape({"num_hidden_layers": 2}) is None
-
-
-@pytest.mark.slow
-def test_train_py_with_routing_replay(moe_dir, tmp_path):
-    """`python train.py --use-rollout-routing-replay` on Megatron: Ray, a CPU engine process; the default rollout asks
-    the engine for the routing, the samples carry it, the trainer replays it. (The rollout side does not depend on
-    the backend, and the tests above cover FSDP's actor; Megatron's run also pushes its per-expert HF names into the
-    engine's fused experts.)"""
-    from support.runs import run_training, saved_samples, small_run_flags, write_addition_prompts
-
-    flags = small_run_flags(moe_dir, write_addition_prompts(tmp_path / "prompts.jsonl"), tmp_path / "save")
-    rows = run_training(
-        "train.py", tmp_path / "save", *flags, "--num-rollout", "1", "--train-backend", "megatron",
-        "--use-rollout-routing-replay",
-    )  # fmt: skip
-    assert rows and rows[0]["train/train_rollout_logprob_max_abs_diff"] < 1e-4  # a float32 engine: rounding only
-    samples = saved_samples(tmp_path / "save", 0)
-    assert len(samples) == 4
-    for sample in samples:
-        assert sample.rollout_routed_experts.shape == (len(sample.tokens) - 1, NUM_LAYERS, TOP_K)
-        expected = hf_routing(moe_dir, sample.tokens)[: len(sample.tokens) - 1]
-        torch.testing.assert_close(sample.rollout_routed_experts.long(), expected.long())

@@ -1,14 +1,12 @@
 """SFT rollout: assistant-only loss masks from the chat template, its errors, and an SFT run of train.py on CPU."""
 
-import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from support.sft import CONVERSATION, expected_tokens_and_mask, initial_sft_loss, write_conversations
+from transformers import AutoTokenizer
 
 from slime.ray.rollout import samples_to_train_data
 from slime.rollout.sft_rollout import generate_rollout, load_chat_tokenizer
@@ -20,15 +18,6 @@ from slime.utils.types import Status
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 
-CONVERSATION = [
-    {"role": "system", "content": "think step by step, then answer."},
-    {"role": "user", "content": "What is 12 + 34?"},
-    {"role": "assistant", "content": "The answer is \\boxed{46}."},
-    {"role": "user", "content": "and 1 + 2?"},
-    {"role": "assistant", "content": "3"},
-    {"role": "tool", "content": "0123456789"},
-    {"role": "assistant", "content": "the quick brown fox"},
-]
 
 # Like Qwen3's template: only the final assistant turn gets an (empty) think block.
 LAST_TURN_THINK_TEMPLATE = (
@@ -44,18 +33,6 @@ LAST_TURN_THINK_TEMPLATE = (
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def expected_tokens_and_mask(tokenizer, messages):
-    """Oracle from the tiny template's known layout: `<|im_start|>{role}\\n` then `{content}<|im_end|>\\n`,
-    the latter trainable for assistant messages."""
-    tokens, mask = [], []
-    for message in messages:
-        header = tokenizer(f"<|im_start|>{message['role']}\n", add_special_tokens=False)["input_ids"]
-        body = tokenizer(f"{message['content']}<|im_end|>\n", add_special_tokens=False)["input_ids"]
-        tokens += header + body
-        mask += [0] * len(header) + [int(message["role"] == "assistant")] * len(body)
-    return tokens, mask
 
 
 def masked_runs(tokens, mask):
@@ -110,11 +87,6 @@ def test_last_turn_think_template_masks_each_turn_as_rendered(tokenizer):
         "3<|im_end|>\n",
         "<think></think>the quick brown fox<|im_end|>\n",
     ]
-
-
-def write_conversations(path, records):
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
 
 
 def sft_args(model_dir, data_path, *extra):
@@ -217,56 +189,13 @@ def test_sft_recipe_names_this_rollout_function():
     assert "--disable-compute-advantages-and-returns" in argv and "--debug-train-only" in argv
 
 
-def refuse_advantages(args, rollout_id, data):
-    """`--rollout-data-postprocess-path` of these runs: the trainer must not have computed advantages."""
-    computed = sorted({"advantages", "returns"} & set(data))
-    if computed:
-        raise AssertionError(f"--disable-compute-advantages-and-returns is set but the trainer computed {computed}")
-
-
-def initial_sft_loss(model_dir, tokenizer, messages) -> float:
-    """Token-mean NLL of the untrained model on the assistant tokens, straight from transformers."""
-    tokens, mask = expected_tokens_and_mask(tokenizer, messages)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0, :-1].double()
-    nll = -torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    weights = torch.tensor(mask[1:], dtype=torch.float64)
-    return float((nll * weights).sum() / weights.sum())
-
-
-def test_train_py_sft_run_learns_the_assistant_turns(tiny_model_dir, tokenizer, tmp_path):
-    messages = CONVERSATION[:5]
-    data = write_conversations(tmp_path / "sft.jsonl", [{"messages": messages}] * 8)
-    save = tmp_path / "run"
-    command = [
-        sys.executable, "train.py", "--hf-checkpoint", str(tiny_model_dir),
-        "--prompt-data", str(data), "--input-key", "messages", "--rollout-shuffle",
-        "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
-        "--rollout-batch-size", "2", "--global-batch-size", "2", "--num-rollout", "4",
-        "--loss-type", "sft_loss", "--calculate-per-token-loss", "--disable-compute-advantages-and-returns",
-        "--debug-train-only", "--lr", "1e-2", "--save", str(save),
-        "--rollout-data-postprocess-path", "test_sft_rollout.refuse_advantages",
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    history = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    losses = [h["train/loss"] for h in history if "train/loss" in h]
-    assert len(losses) == 4
-    # One optimizer step per rollout: the first rollout's loss is the untrained model's, on assistant tokens only.
-    assert losses[0] == pytest.approx(initial_sft_loss(tiny_model_dir, tokenizer, messages), rel=1e-4)
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
-    assert losses[-1] < 0.5 * losses[0], losses
-
-
 def _megatron_sft_worker(rank: int, world_size: int, model_dir: str, data_path: str) -> dict:
     from slime.backends.megatron_utils.actor import MegatronTrainRayActor
     from slime.ray.rollout import split_train_data_by_dp
 
     args = sft_args(
         model_dir, data_path, "--train-backend", "megatron", "--global-batch-size", "2", "--calculate-per-token-loss",
-        "--rollout-data-postprocess-path", "test_sft_rollout.refuse_advantages",
+        "--rollout-data-postprocess-path", "support.sft.refuse_advantages",
     )  # fmt: skip
     samples = [s for group in generate_rollout(args, 0, make_data_source(args)).samples for s in group]
     (shard,) = split_train_data_by_dp(args, samples_to_train_data(args, samples), 1)

@@ -25,17 +25,6 @@ from slime.utils.arguments import (
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 PARSER = REPO / "slime" / "utils" / "arguments"
-# Flags only the train*.py loops read, so only a train.py / train_async.py run shows them: each is to get an e2e test
-# and a FLAG_TESTS entry, and then leave this list (they count as flags without a behaviour test until then).
-NEEDS_E2E: frozenset[str] = frozenset(
-    {
-        "offload_train",  # train.py: onload before / offload after training, around generation
-        "update_weights_interval",  # train_async.py: push the weights every N rollouts
-        "save_interval",  # train*.py: a checkpoint every N rollouts (the runs so far check only the last one)
-        "eval_interval",  # train*.py: an evaluation every N rollouts (likewise)
-        "skip_eval_before_train",  # train*.py: no evaluation before the first rollout
-    }
-)
 BASE = [
     "--train-backend", "fsdp",
     "--rollout-backend", "cpu",
@@ -156,7 +145,7 @@ def test_every_flag_has_a_behaviour_test():
     options, flags, needed = option_strings(), registered(), flags_needing_a_test()
     problems = []
     for dest in needed:
-        if dest not in FLAG_TESTS and dest not in NEEDS_E2E:
+        if dest not in FLAG_TESTS:
             problems.append(
                 f"{flags[dest]}: no entry in FLAG_TESTS (slime/utils/arguments/flag_tests.py); write a test "
                 "that sets it and asserts what it changes, and name it there"
@@ -164,8 +153,6 @@ def test_every_flag_has_a_behaviour_test():
     for dest in sorted(set(FLAG_TESTS) - set(needed)):
         what = "refused under both backends" if dest in refused_everywhere() else "not a slime flag"
         problems.append(f"FLAG_TESTS names {dest}, which is {what}: remove the entry")
-    for dest in sorted(set(FLAG_TESTS) & NEEDS_E2E):
-        problems.append(f"{dest} has a FLAG_TESTS entry: remove it from NEEDS_E2E in this file")
     for dest, test_ids in sorted(FLAG_TESTS.items()):
         if not test_ids:
             problems.append(f"FLAG_TESTS[{dest!r}] is empty: name a test or remove the entry")

@@ -493,7 +493,15 @@ async def get_server_info(request: web.Request) -> web.Response:
         ep_size=1,
         version=VERSION,
         weight_version=engine.weight_version,
-        internal_states=[{"paused": engine.paused, "released": engine.released, **engine.load()}],
+        internal_states=[
+            {
+                "paused": engine.paused,
+                "released": engine.released,
+                # SGLang's layout, in GB; here the weights' live storage (0 while released), no KV cache between batches
+                "memory_usage": {"weight": weights.parameter_bytes(engine.model) / 2**30, "kvcache": 0.0},
+                **engine.load(),
+            }
+        ],
     )
     return web.json_response(info)
 

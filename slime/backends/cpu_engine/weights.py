@@ -260,6 +260,12 @@ def free_parameters(model) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return layout
 
 
+def parameter_bytes(model) -> int:
+    """Bytes of the storages the parameters hold now (each shared storage once): 0 after `free_parameters`."""
+    storages = {param.untyped_storage().data_ptr(): param.untyped_storage().nbytes() for param in model.parameters()}
+    return sum(size for ptr, size in storages.items() if ptr)
+
+
 def allocate_parameters(model, layout: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
     """Give every parameter freed by `free_parameters` fresh (uninitialized) storage again."""
     params = dict(model.named_parameters())

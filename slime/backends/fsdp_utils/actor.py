@@ -264,21 +264,38 @@ class FSDPTrainRayActor(TrainRayActor):
         return full_parameter_buckets(self.model, self.args.update_weight_buffer_size, dtype)
 
     # ---- offload -------------------------------------------------------------------------------
-    def offload(self) -> None:
+    def offload(self) -> int:
         """Free training memory while the engines generate: drop gradients; on GPU also move weights
-        and optimizer state to CPU and release the CUDA cache. On CPU nothing else can be freed."""
+        and optimizer state to CPU and release the CUDA cache. On CPU nothing else can be freed.
+
+        Returns:
+            Bytes freed on the training device (each storage once).
+        """
+        freed = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in _gradients(self.model)}
+        if cuda_available():
+            for tensor in [*self.model.parameters(), *_optimizer_tensors(self.optimizer)]:
+                freed[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         self.optimizer.zero_grad(set_to_none=True)
         if cuda_available():
             self.model.to("cpu")
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
             torch.cuda.empty_cache()
         release_free_host_memory()
+        return sum(freed.values())
 
     def onload(self) -> None:
         """Undo `offload`: weights and optimizer state back on the training device."""
         if cuda_available():
             self.model.to(self.device)
             _move_optimizer_state(self.optimizer, self.device)
+
+
+def _gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -422,12 +422,16 @@ class MegatronTrainRayActor(TrainRayActor):
         )
 
     # ---- offload -------------------------------------------------------------------------------
-    def offload(self) -> None:
+    def offload(self) -> int:
         """Free weights, gradients and optimizer state while the engines generate (`storage_offload`):
         their storages are released (bytes kept on pinned host memory on GPU, in a temp file on CPU) and
-        `onload` restores them bit for bit; gradients come back as zeros. Sizes are in `self.offloaded`."""
+        `onload` restores them bit for bit; gradients come back as zeros. Sizes are in `self.offloaded`.
+
+        Returns:
+            Bytes released (0 when already offloaded).
+        """
         if self.offloaded:
-            return
+            return 0
         with torch.no_grad():
             for chunk in self.model:
                 chunk.zero_grad_buffer()
@@ -443,6 +447,7 @@ class MegatronTrainRayActor(TrainRayActor):
             torch.cuda.empty_cache()
         sizes = ", ".join(f"{part} {released.nbytes / 2**20:.1f} MiB" for part, released in self.offloaded.items())
         logger.info("rank %d: offloaded the %s: %s", self.rank, self.role, sizes)
+        return sum(released.nbytes for released in self.offloaded.values())
 
     def onload(self) -> None:
         """Undo `offload`: weights and optimizer state back bit for bit, gradients zero."""

@@ -68,6 +68,12 @@ class EngineClient:
         """GET /get_server_info: the server's arguments and runtime state."""
         return self._get("get_server_info")
 
+    def weight_memory_gb(self) -> float | None:
+        """The weights' memory as the server reports it (`internal_states[0].memory_usage.weight`, GB); None when it
+        reports none. The CPU engine reports its live storage (0 while released); SGLang the size at load."""
+        states = self.get_server_info().get("internal_states") or [{}]
+        return (states[0].get("memory_usage") or {}).get("weight")
+
     def flush_cache(self) -> Any:
         """POST /flush_cache: drop the prefix (KV) cache. Raises HTTPRequestError if requests are still running."""
         return self._post("flush_cache")

@@ -24,6 +24,7 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
         "test_fsdp_weight_sync.py::test_update_weights_makes_engine_match_trainer",
     ),
     "offload": ("test_arguments.py::test_offload_flag_without_colocate",),
+    "offload_train": ("test_train_e2e.py::test_colocated_run_offloads_onloads_and_syncs_right_weights",),
     "offload_rollout": ("test_engine_client.py::test_sglang_server_args_multi_node_and_no_offload",),
     "train_env_vars": ("test_flag_effects_with_actors.py::test_train_env_vars_reach_the_trainer_processes",),
     "train_num_threads": ("test_arguments.py::test_thread_budget_over_core_count_warns",),
@@ -329,7 +330,18 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
         "test_flags_behaviour.py::test_load_debug_rollout_data_subsample_keeps_whole_batches",
     ),
     "save_debug_train_data": ("test_flags_behaviour.py::test_manager_converts_logs_and_saves_train_data",),
-    "ci_test": ("test_flags_behaviour.py::test_ci_kl_and_logprob_checks",),
+    "ci_test": (
+        "test_flags_behaviour.py::test_ci_kl_and_logprob_checks",
+        "test_ci_test_run.py::test_ci_test_run_fails_when_the_checked_metric_misses",
+    ),
+    # when the drivers save, evaluate and push (train.py / train_async.py runs)
+    "save_interval": ("test_train_e2e.py::test_save_interval_and_eval_interval_pick_their_rollouts",),
+    "eval_interval": (
+        "test_train_e2e.py::test_save_interval_and_eval_interval_pick_their_rollouts",
+        "test_train_e2e.py::test_skip_eval_before_train_leaves_out_the_first_evaluation",
+    ),
+    "skip_eval_before_train": ("test_train_e2e.py::test_skip_eval_before_train_leaves_out_the_first_evaluation",),
+    "update_weights_interval": ("test_train_e2e.py::test_async_run_pushes_weights_every_second_rollout",),
     "ci_disable_kl_checker": ("test_flags_behaviour.py::test_ci_kl_and_logprob_checks",),
     "ci_train_rollout_logprob_abs_diff_threshold": ("test_flag_effects.py::test_ci_logprob_gap_threshold_is_the_flag",),
     "ci_save_grad_norm": ("test_flags_behaviour.py::test_ci_grad_norm_save_and_compare",),
