@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Install slime with its test dependencies on a CPU machine and run the test suite.
+#   bash scripts/test.sh            every tier: tests/unit, tests/integration, tests/e2e
+#   bash scripts/test.sh --fast     unit + integration only (no train.py runs)
+# Other arguments go to pytest (a path or -k narrows the run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0 -e ".[dev,megatron]" || exit 1
+paths=()
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    paths=(tests/unit tests/integration)
+fi
 # Two workers, a test file each at a time: the end-to-end runs wait on process start-up much of the time, so two
-# of them overlap well on 2 cores (the suite: ~34 min serial, ~25 parallel).
-python3 -m pytest -q -n 2 --dist loadfile "$@"
+# of them overlap well on 2 cores.
+python3 -m pytest -q -n 2 --dist loadfile "${paths[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: treating as a failure" >&2

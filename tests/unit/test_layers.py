@@ -1,6 +1,7 @@
 """The package layout keeps its layers: the import-linter contracts in pyproject.toml hold (`lint-imports`).
 
-Contracts: slime.ray above slime.rollout / slime.backends above slime.utils (and slime.algorithms), the backends
+Contracts: slime.ray above slime.rollout | slime.backends (independent) above slime.agent above slime.utils above
+slime.algorithms (which imports nothing else of slime), the backends
 independent of each other, slime.utils never importing slime.ray, slime never importing slime_plugins, and no
 import cycle between sibling modules at any depth.
 """
@@ -51,8 +52,17 @@ def copy_of_the_repo(tmp_path_factory) -> Path:
         ("slime/backends/cpu_engine/server.py", "slime.backends.fsdp_utils.model", ["backends never import"]),
         ("slime/backends/megatron_utils/unwrap.py", "slime.backends.megatron_utils.model", ["No import cycle"]),
         ("slime/rollout/data_source.py", "slime_plugins.models", ["slime never imports slime_plugins"]),
+        ("slime/algorithms/gae.py", "slime.utils.types", ["Layers", "No import cycle"]),  # utils imports algorithms
+        ("slime/rollout/data_source.py", "slime.backends.train_actor", ["Layers"]),
     ],
-    ids=["utils-imports-ray", "backend-imports-backend", "cycle", "imports-plugins"],
+    ids=[
+        "utils-imports-ray",
+        "backend-imports-backend",
+        "cycle",
+        "imports-plugins",
+        "algorithms-import-utils",
+        "rollout-imports-backends",
+    ],
 )
 @pytest.mark.reliability("a module that imports across the layers", "lint-imports names the broken contract")
 def test_a_forbidden_import_breaks_its_contract(copy_of_the_repo, importer, imported, broken):
