@@ -39,7 +39,13 @@ import torch.distributed as dist
 
 from slime.algorithms.aggregation import StepNormalizer
 from slime.backends.megatron_utils import checkpoint
-from slime.backends.megatron_utils.config import args_vocab_size, config_from_hf, model_family, use_transformer_engine
+from slime.backends.megatron_utils.config import (
+    args_vocab_size,
+    config_from_hf,
+    megatron_flag,
+    model_family,
+    use_transformer_engine,
+)
 from slime.backends.megatron_utils.cp_utils import gather_zigzag, zigzag_positions, zigzag_slice
 from slime.backends.megatron_utils.critic import load_backbone_from_hf
 from slime.backends.megatron_utils.data import PackedMicroBatch, build_step_micro_batches
@@ -69,8 +75,8 @@ def megatron_model_args(args: Namespace) -> Namespace:
     normalizes the loss itself and checks the gradient norm in `_optimizer_step`.
     """
     model_args = Namespace(**vars(args))
-    if getattr(args, "num_layers", None) is None:
-        if not getattr(args, "hf_checkpoint", None):
+    if megatron_flag(args, "num_layers") is None:
+        if not args.hf_checkpoint:
             raise ValueError(
                 "the Megatron backend needs the model flags (source scripts/models/*.sh) or --hf-checkpoint"
             )
@@ -87,11 +93,11 @@ def build_lr_scheduler(args: Namespace, optimizer):
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    decay_steps = getattr(args, "lr_decay_iters", None)
-    if decay_steps is None and getattr(args, "num_rollout", None):
+    decay_steps = args.lr_decay_iters
+    if decay_steps is None and args.num_rollout:
         decay_steps = args.num_rollout * args.num_steps_per_rollout
     decay_steps = max(int(decay_steps or 1), 1)
-    warmup_fraction = getattr(args, "lr_warmup_fraction", None)
+    warmup_fraction = args.lr_warmup_fraction
     warmup_steps = int(warmup_fraction * decay_steps) if warmup_fraction is not None else args.lr_warmup_iters
     if warmup_steps >= decay_steps and args.lr_decay_style != "constant":
         raise ValueError(
@@ -100,7 +106,7 @@ def build_lr_scheduler(args: Namespace, optimizer):
         )
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=float(getattr(args, "lr_warmup_init", 0.0) or 0.0),
+        init_lr=float(megatron_flag(args, "lr_warmup_init") or 0.0),
         max_lr=args.lr,
         min_lr=args.min_lr,
         lr_warmup_steps=warmup_steps,
@@ -110,8 +116,8 @@ def build_lr_scheduler(args: Namespace, optimizer):
         end_wd=args.weight_decay,
         wd_incr_steps=max(decay_steps, 1),
         wd_incr_style="constant",
-        wsd_decay_steps=getattr(args, "lr_wsd_decay_iters", None),
-        lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None),
+        wsd_decay_steps=megatron_flag(args, "lr_wsd_decay_iters"),
+        lr_wsd_decay_style=megatron_flag(args, "lr_wsd_decay_style"),
     )
 
 
@@ -176,8 +182,8 @@ class MegatronTrainRayActor(TrainRayActor):
         start_rollout_id = 0
         load_root = self._checkpoint_root(args.load)
         if load_root and not checkpoint.is_hf_checkpoint(args.load) and checkpoint.has_checkpoint(load_root):
-            finetune = bool(getattr(args, "finetune", False))
-            load_optimizer = not finetune and not getattr(args, "no_load_optim", False)
+            finetune = args.finetune
+            load_optimizer = not finetune and not args.no_load_optim
             iteration, _ = checkpoint.load_checkpoint(
                 load_root,
                 self.model,
@@ -193,7 +199,7 @@ class MegatronTrainRayActor(TrainRayActor):
     def _ref_iteration(self, source: str) -> int | None:
         if checkpoint.is_hf_checkpoint(source):
             return None
-        return getattr(self.args, "ref_ckpt_step", None)
+        return self.args.ref_ckpt_step
 
     def _data_parallel_group(self) -> dist.ProcessGroup:
         return self.mpu.get_data_parallel_group()
@@ -401,7 +407,7 @@ class MegatronTrainRayActor(TrainRayActor):
 
     # ---- checkpoints and weight export ---------------------------------------------------------
     def _save_checkpoint(self, root: str, rollout_id: int, update_tracker: bool) -> None:
-        optimizer = None if getattr(self.args, "no_save_optim", False) else self.optimizer
+        optimizer = None if self.args.no_save_optim else self.optimizer
         checkpoint.save_checkpoint(
             root, rollout_id, self.model, optimizer, self.lr_scheduler, update_tracker=update_tracker
         )

@@ -60,6 +60,16 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+def megatron_flag(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    """`args.<name>`, or `default` when `args` lacks it.
+
+    Megatron's model flags are on `args` only when given (without megatron.training they pass through as
+    typed values, `parsing.parse_args`), and the conversion tools build `args` from an HF config
+    (`standalone.model_args`), so this module and `model.py` read every Megatron flag through here.
+    """
+    return getattr(args, name, default)
+
+
 def resolve_family(name: str) -> str:
     """Map a model family name, alias or HF `model_type` to one of `SUPPORTED_FAMILIES`.
 
@@ -103,9 +113,9 @@ def family_from_hf_config(hf_config: Any) -> str:
 
 def model_family(args: argparse.Namespace) -> str:
     """The family of the trained model: `--model-name` if given, else the `model_type` of `--hf-checkpoint`."""
-    if getattr(args, "model_name", None):
+    if args.model_name:
         return resolve_family(args.model_name)
-    if getattr(args, "hf_checkpoint", None):
+    if args.hf_checkpoint:
         return family_from_hf_config(args.hf_checkpoint)
     raise ValueError("cannot tell the model family: pass --model-name (e.g. qwen3) or --hf-checkpoint")
 
@@ -239,34 +249,34 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_model_par
 
 def args_vocab_size(args: argparse.Namespace) -> int:
     """The true (unpadded) vocabulary: `--vocab-size`, else `vocab_size` of `--hf-checkpoint`'s config."""
-    if getattr(args, "vocab_size", None):
+    if megatron_flag(args, "vocab_size"):
         return int(args.vocab_size)
-    if getattr(args, "hf_checkpoint", None):
+    if megatron_flag(args, "hf_checkpoint"):
         return int(load_hf_config(args.hf_checkpoint)["vocab_size"])
     raise ValueError("the vocabulary size is unknown: pass --vocab-size or --hf-checkpoint")
 
 
 def args_padded_vocab_size(args: argparse.Namespace) -> int:
     """`--padded-vocab-size` if given, else the true vocabulary padded the Megatron way."""
-    if getattr(args, "padded_vocab_size", None):
+    if megatron_flag(args, "padded_vocab_size"):
         return int(args.padded_vocab_size)
     return padded_vocab_size(
         args_vocab_size(args),
-        int(getattr(args, "make_vocab_size_divisible_by", _DEFAULTS["make_vocab_size_divisible_by"])),
-        int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+        int(megatron_flag(args, "make_vocab_size_divisible_by", _DEFAULTS["make_vocab_size_divisible_by"])),
+        int(megatron_flag(args, "tensor_model_parallel_size", 1) or 1),
     )
 
 
 def _get(args: argparse.Namespace, name: str) -> Any:
-    value = getattr(args, name, None)
+    value = megatron_flag(args, name)
     return _DEFAULTS.get(name) if value is None else value
 
 
 def _switch(args: argparse.Namespace, name: str, off_flag: str, default: bool = True) -> bool:
     """A Megatron on-by-default switch: `args.<name>` from Megatron's parser, or `--<off-flag>` passed through."""
-    if isinstance(getattr(args, name, None), bool):
-        return getattr(args, name)
-    return default and not getattr(args, off_flag, False)
+    if isinstance(megatron_flag(args, name), bool):
+        return megatron_flag(args, name)
+    return default and not megatron_flag(args, off_flag, False)
 
 
 def parse_layer_freq(value: Any) -> int | list[int]:
@@ -300,7 +310,7 @@ def te_available() -> bool:
 
 def use_transformer_engine(args: argparse.Namespace) -> bool:
     """Whether to build with TransformerEngine (`--transformer-impl local` forces the local spec)."""
-    return getattr(args, "transformer_impl", "transformer_engine") != "local" and te_available()
+    return megatron_flag(args, "transformer_impl", "transformer_engine") != "local" and te_available()
 
 
 def transformer_config_from_args(args: argparse.Namespace):
@@ -316,15 +326,15 @@ def transformer_config_from_args(args: argparse.Namespace):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
-    mla = bool(getattr(args, "multi_latent_attention", False))
+    mla = bool(megatron_flag(args, "multi_latent_attention", False))
     config_class = MLATransformerConfig if mla else TransformerConfig
     fields = {f.name for f in dataclasses.fields(config_class)}
     # Same rule as Megatron-LM: attributes named like a field are taken as they are.
-    kwargs = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
+    kwargs = {name: megatron_flag(args, name) for name in fields if megatron_flag(args, name) is not None}
 
     heads = args.num_attention_heads
-    swiglu = bool(getattr(args, "swiglu", False))
-    bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
+    swiglu = bool(megatron_flag(args, "swiglu", False))
+    bf16, fp16 = bool(megatron_flag(args, "bf16", False)), bool(megatron_flag(args, "fp16", False))
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     te = use_transformer_engine(args)
     activation_fusion = "bias_swiglu_fusion" if swiglu else "bias_gelu_fusion"
@@ -332,12 +342,12 @@ def transformer_config_from_args(args: argparse.Namespace):
     # Megatron-LM's default FFN width: 4h, or 2/3 of it (rounded down to 64) for SwiGLU.
     default_ffn = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * args.hidden_size
     kwargs.update(
-        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
-        kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
-        ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or default_ffn,
+        num_query_groups=args.num_query_groups if megatron_flag(args, "group_query_attention", False) else heads,
+        kv_channels=megatron_flag(args, "kv_channels") or args.hidden_size // heads,
+        ffn_hidden_size=megatron_flag(args, "ffn_hidden_size") or default_ffn,
         normalization=_get(args, "normalization"),
         layernorm_epsilon=float(_get(args, "norm_epsilon")),
-        layernorm_zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)),
+        layernorm_zero_centered_gamma=bool(megatron_flag(args, "apply_layernorm_1p", False)),
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=_switch(args, "add_bias_linear", "disable_bias_linear"),
@@ -348,15 +358,15 @@ def transformer_config_from_args(args: argparse.Namespace):
         pipeline_dtype=dtype,
         bf16=bf16,
         fp16=fp16,
-        tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
-        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1) or 1,
-        context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
-        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
+        tensor_model_parallel_size=megatron_flag(args, "tensor_model_parallel_size", 1) or 1,
+        pipeline_model_parallel_size=megatron_flag(args, "pipeline_model_parallel_size", 1) or 1,
+        context_parallel_size=megatron_flag(args, "context_parallel_size", 1) or 1,
+        expert_model_parallel_size=megatron_flag(args, "expert_model_parallel_size", 1) or 1,
         # Megatron-LM's default: experts split like the dense layers.
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None)
-        or getattr(args, "tensor_model_parallel_size", 1)
+        expert_tensor_parallel_size=megatron_flag(args, "expert_tensor_parallel_size")
+        or megatron_flag(args, "tensor_model_parallel_size", 1)
         or 1,
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        sequence_parallel=bool(megatron_flag(args, "sequence_parallel", False)),
         use_cpu_initialization=not cuda_available(),
         # Fused kernels need CUDA (and most need TE); off otherwise.
         bias_activation_fusion=te and _switch(args, activation_fusion, "no_" + activation_fusion),
@@ -364,18 +374,18 @@ def transformer_config_from_args(args: argparse.Namespace):
         masked_softmax_fusion=te and _switch(args, "masked_softmax_fusion", "no_masked_softmax_fusion"),
         apply_rope_fusion=te and _switch(args, "apply_rope_fusion", "no_rope_fusion"),
         gradient_accumulation_fusion=te and _switch(args, "gradient_accumulation_fusion", gradient_fusion_off),
-        persist_layer_norm=te and not getattr(args, "no_persist_layer_norm", False),
+        persist_layer_norm=te and not megatron_flag(args, "no_persist_layer_norm", False),
     )
-    if getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+    if megatron_flag(args, "num_layers_per_virtual_pipeline_stage"):
         per_stage = args.num_layers // kwargs["pipeline_model_parallel_size"]
         kwargs["virtual_pipeline_model_parallel_size"] = per_stage // args.num_layers_per_virtual_pipeline_stage
-    if getattr(args, "decoder_first_pipeline_num_layers", None):
+    if megatron_flag(args, "decoder_first_pipeline_num_layers"):
         kwargs["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
-    if getattr(args, "decoder_last_pipeline_num_layers", None):
+    if megatron_flag(args, "decoder_last_pipeline_num_layers"):
         kwargs["num_layers_in_last_pipeline_stage"] = args.decoder_last_pipeline_num_layers
-    if getattr(args, "num_experts", None):
+    if megatron_flag(args, "num_experts"):
         kwargs["num_moe_experts"] = int(args.num_experts)
-        kwargs["moe_layer_freq"] = parse_layer_freq(getattr(args, "moe_layer_freq", 1))
+        kwargs["moe_layer_freq"] = parse_layer_freq(megatron_flag(args, "moe_layer_freq", 1))
         if not te:  # grouped GEMM and permute/router fusions are TE kernels
             kwargs.update(moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False)
     if isinstance(kwargs.get("attention_backend"), str):

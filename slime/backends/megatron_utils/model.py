@@ -26,6 +26,7 @@ from torch import nn
 
 from slime.backends.megatron_utils.config import (
     args_padded_vocab_size,
+    megatron_flag,
     transformer_config_from_args,
     use_transformer_engine,
 )
@@ -78,7 +79,7 @@ def initialize_model_parallel_from_args(args: argparse.Namespace) -> None:
         expert_model_parallel_size=config.expert_model_parallel_size,
         expert_tensor_parallel_size=config.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
-        seed=getattr(args, "seed", 1234),
+        seed=megatron_flag(args, "seed", 1234),
     )
 
 
@@ -89,11 +90,11 @@ def gpt_layer_spec(args: argparse.Namespace, config, vp_stage: int | None = None
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = getattr(args, "spec", None)
+    spec = megatron_flag(args, "spec")
     if spec:
         module, function = spec if isinstance(spec, list) else str(spec).split()
         return load_function(f"{module}.{function}")(args, config, vp_stage)
-    if getattr(args, "post_self_attn_layernorm", False) or getattr(args, "post_mlp_layernorm", False):
+    if megatron_flag(args, "post_self_attn_layernorm", False) or megatron_flag(args, "post_mlp_layernorm", False):
         raise ValueError(
             "--post-self-attn-layernorm/--post-mlp-layernorm (GLM4) need a layer spec that has those norms: "
             "pass --spec MODULE FUNCTION; megatron-core's own specs do not have them."
@@ -107,9 +108,9 @@ def gpt_layer_spec(args: argparse.Namespace, config, vp_stage: int | None = None
 
 
 def _position_embedding_type(args: argparse.Namespace) -> str:
-    if getattr(args, "position_embedding_type", None):
+    if megatron_flag(args, "position_embedding_type"):
         return args.position_embedding_type
-    return "rope" if getattr(args, "use_rotary_position_embeddings", False) else "learned_absolute"
+    return "rope" if megatron_flag(args, "use_rotary_position_embeddings", False) else "learned_absolute"
 
 
 def build_gpt_model(
@@ -153,17 +154,17 @@ def build_gpt_model(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args_padded_vocab_size(args),
-        max_sequence_length=getattr(args, "max_position_embeddings", None) or getattr(args, "seq_length", None) or 4096,
+        max_sequence_length=megatron_flag(args, "max_position_embeddings") or megatron_flag(args, "seq_length") or 4096,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+        share_embeddings_and_output_weights=not megatron_flag(args, "untie_embeddings_and_output_weights", False),
         position_embedding_type=_position_embedding_type(args),
-        rotary_percent=float(getattr(args, "rotary_percent", None) or 1.0),
-        rotary_base=int(getattr(args, "rotary_base", None) or 10000),
-        rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
-        rope_scaling_factor=float(getattr(args, "rope_scaling_factor", None) or 8.0),
-        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        rotary_percent=float(megatron_flag(args, "rotary_percent") or 1.0),
+        rotary_base=int(megatron_flag(args, "rotary_base") or 10000),
+        rope_scaling=bool(megatron_flag(args, "use_rope_scaling", False)),
+        rope_scaling_factor=float(megatron_flag(args, "rope_scaling_factor") or 8.0),
+        seq_len_interpolation_factor=megatron_flag(args, "rotary_seq_len_interpolation_factor"),
         mtp_block_spec=mtp_spec,
         vp_stage=vp_stage,
     )
@@ -196,7 +197,7 @@ def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True, role: str 
     if role == "critic":
         args = critic_model_args(args)
     config = transformer_config_from_args(args)
-    custom = getattr(args, "custom_model_provider_path", None)
+    custom = megatron_flag(args, "custom_model_provider_path")
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks: list[nn.Module] = []
     for vp_stage in range(vpp) if vpp else [None]:
@@ -217,12 +218,12 @@ def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True, role: str 
         return chunks
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
-        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
-        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-        check_for_nan_in_grad=not getattr(args, "no_check_for_nan_in_loss_and_grad", False),
-        bucket_size=getattr(args, "ddp_bucket_size", None),
+        grad_reduce_in_fp32=bool(megatron_flag(args, "accumulate_allreduce_grads_in_fp32", False)),
+        overlap_grad_reduce=bool(megatron_flag(args, "overlap_grad_reduce", False)),
+        overlap_param_gather=bool(megatron_flag(args, "overlap_param_gather", False)),
+        use_distributed_optimizer=bool(megatron_flag(args, "use_distributed_optimizer", False)),
+        check_for_nan_in_grad=not megatron_flag(args, "no_check_for_nan_in_loss_and_grad", False),
+        bucket_size=megatron_flag(args, "ddp_bucket_size"),
     )
     return [
         # Only the first chunk buckets its grads, as Megatron-LM does (later chunks overlap poorly).
@@ -245,7 +246,7 @@ def build_optimizer(args: argparse.Namespace, model: list[nn.Module]):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     fields = {f.name for f in dataclasses.fields(OptimizerConfig)} - {"timers"}
-    kwargs = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
+    kwargs = {name: megatron_flag(args, name) for name in fields if megatron_flag(args, name) is not None}
     config = transformer_config_from_args(args)
     kwargs.update(params_dtype=config.params_dtype, bf16=config.bf16, fp16=config.fp16)
     return get_megatron_optimizer(OptimizerConfig(**kwargs), model)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_hf_checkpoint
-from slime.backends.megatron_utils.config import config_from_hf, load_hf_config, resolve_family
+from slime.backends.megatron_utils.config import config_from_hf, load_hf_config, megatron_flag, resolve_family
 from slime.backends.megatron_utils.model import build_model
 from slime.utils.arguments import _extract_unknown_flags
 from slime.utils.atomic_dir import check_replaceable
@@ -49,7 +49,7 @@ def model_args(hf_dir: str, flags: dict[str, Any]) -> argparse.Namespace:
     args = config_from_hf(hf_dir)
     vars(args).update(flags)
     args.hf_checkpoint = hf_dir
-    if not getattr(args, "bf16", False) and not getattr(args, "fp16", False):
+    if not megatron_flag(args, "bf16") and not megatron_flag(args, "fp16"):
         hf_config = load_hf_config(hf_dir)
         dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
         args.bf16 = dtype == "bfloat16"
@@ -69,8 +69,8 @@ def init_distributed(args: argparse.Namespace) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         for name in _PARALLEL_FLAGS:
-            if (getattr(args, name, None) or 1) != 1:
-                logger.info("one process: ignoring --%s %s", name.replace("_", "-"), getattr(args, name))
+            if (megatron_flag(args, name) or 1) != 1:
+                logger.info("one process: ignoring --%s %s", name.replace("_", "-"), megatron_flag(args, name))
             setattr(args, name, 1)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(find_free_port()))
