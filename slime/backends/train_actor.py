@@ -206,9 +206,9 @@ def _nothing_reads_old_log_probs_before_the_step(args, has_reference: bool) -> b
         not args.keep_old_actor
         and not has_reference
         and args.loss_type == "policy_loss"
-        and not getattr(args, "custom_advantage_function_path", None)
+        and not args.custom_advantage_function_path
         and not args.rollout_data_postprocess_path
-        and not getattr(args, "custom_megatron_before_train_step_hook_path", None)  # may change the weights
+        and not args.custom_megatron_before_train_step_hook_path  # may change the weights
         and not args.use_opd  # the teacher term needs the student's old log-probs before the step
     )
 
@@ -264,7 +264,7 @@ class TrainRayActor:
             torch.cuda.set_device(self._local_rank())
         else:
             torch.set_num_threads(args.train_num_threads)
-        backend = getattr(args, "distributed_backend", None) or distributed_backend()
+        backend = args.distributed_backend or distributed_backend()
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=backend,
@@ -294,7 +294,7 @@ class TrainRayActor:
         self.ref_weights: Weights | None = None  # set by `_build` when with_ref
         self.actor_backup: Weights | None = None
         # --use-rollout-routing-replay: the policy's forwards route as the engines did (off for the reference)
-        self.replay_routing = role == "actor" and getattr(args, "use_rollout_routing_replay", False)
+        self.replay_routing = role == "actor" and args.use_rollout_routing_replay
         # What the role changes, decided here once (the role itself only names metrics, phases and logs).
         self.value_head = role == "critic"  # the model ends in PPO's value head, not the LM head
         self.metric_prefix = "train/" if role == "actor" else ""
@@ -304,7 +304,7 @@ class TrainRayActor:
             self._fill_train_inputs = self._fill_policy_inputs
             self.old_log_probs = choose_old_log_prob_source(args, with_ref, self.fuses_old_log_probs)
             self.weight_updater = WeightUpdater(self.rank, check_first_push=args.check_weight_update_equal)
-            self.hf_export = getattr(args, "save_hf", None)
+            self.hf_export = args.save_hf
         else:
             self.loss_function = value_loss
             self._fill_train_inputs = self._fill_value_inputs
@@ -312,7 +312,7 @@ class TrainRayActor:
             self.weight_updater = None
             self.hf_export = None
         self.rollout_data_postprocess = _load_hook(args.rollout_data_postprocess_path)
-        self.before_train_step = _load_hook(getattr(args, "custom_megatron_before_train_step_hook_path", None))
+        self.before_train_step = _load_hook(args.custom_megatron_before_train_step_hook_path)
         self.init_process_group(args)
         self.model_shape = (
             ModelShape.from_hf_config(AutoConfig.from_pretrained(args.hf_checkpoint)) if (args.hf_checkpoint) else None
@@ -615,7 +615,7 @@ class TrainRayActor:
 
     def _stop_on_non_finite_grad(self) -> bool:
         """A non-finite gradient norm stops the run unless --no-check-for-nan-in-loss-and-grad."""
-        return getattr(self.args, "check_for_nan_in_loss_and_grad", True)
+        return self.args.check_for_nan_in_loss_and_grad  # an FSDP flag; the Megatron actor overrides this
 
     # ---- collectives and log-prob gap metrics --------------------------------------------------
     def _data_parallel_group(self) -> dist.ProcessGroup | None:
@@ -701,7 +701,7 @@ class TrainRayActor:
             raise RuntimeError("only the actor syncs weights to the engines; the critic's value head is not an LM")
         if not self.weight_updater.engines:
             raise RuntimeError("update_weights before connect_rollout_engines: the actor has no engines to update")
-        dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else None
+        dtype = torch.bfloat16 if self.args.bf16 else None
         version = self.weight_updater.push(self._hf_weight_buckets(dtype))
         self.old_log_probs.after_push(self, version)
         if self.weight_updater.check_first_push and version == 1:

@@ -71,17 +71,17 @@ class FSDPTrainRayActor(TrainRayActor):
         torch.manual_seed(args.seed)
         self.device = training_device()
         self.dp_size = dist.get_world_size()
-        if getattr(args, "bf16", False) and not cuda_available():
+        if args.bf16 and not cuda_available():
             logger.warning("--bf16 on CPU: bf16 matmuls are far slower than float32 on CPUs without bf16 units")
 
         start_path = args.load if is_hf_folder(args.load) else args.hf_checkpoint
         # Megatron's --recompute-* and --attention-backend mean the same here (arguments.add_fsdp_megatron_arguments).
-        recompute = getattr(args, "recompute_activations", False) or getattr(args, "recompute_granularity", None)
-        attention = FSDP_ATTENTION_BACKENDS[getattr(args, "attention_backend", None) or "auto"]
+        recompute = args.recompute_activations or args.recompute_granularity
+        attention = FSDP_ATTENTION_BACKENDS[args.attention_backend]
         model = load_model(
             start_path,
             self.role,
-            gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False) or recompute),
+            gradient_checkpointing=bool(args.gradient_checkpointing or recompute),
             attn_implementation=attention,
         )
         self.attn_implementation = model.config._attn_implementation
@@ -94,7 +94,7 @@ class FSDPTrainRayActor(TrainRayActor):
             logger.info("rank %d: training %d of the model's parameter tensors", self.rank, len(trainable))
         # --use-rollout-routing-replay: the actor's MoE routers take the engines' experts (`_response_logits`)
         self.routers = HFRouters(model, model.config.num_hidden_layers) if self.replay_routing else None
-        self.model, _ = shard_model(model, self.dp_size, bf16=getattr(args, "bf16", False))
+        self.model, _ = shard_model(model, self.dp_size, bf16=args.bf16)
         self.optimizer = build_optimizer(args, self.model)
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
         self.ref_weights = self._reference_shards() if with_ref else None
@@ -103,15 +103,15 @@ class FSDPTrainRayActor(TrainRayActor):
 
         start_rollout_id = 0
         load_root = self._checkpoint_root(args.load)
-        ckpt_step = getattr(args, "ckpt_step", None)  # Megatron's --ckpt-step: this step instead of the latest
+        ckpt_step = args.ckpt_step  # Megatron's --ckpt-step: this step instead of the latest
         if load_root and (ckpt_step is not None or checkpoint.latest_iteration(load_root) is not None):
-            finetune = getattr(args, "finetune", False)
+            finetune = args.finetune
             loaded = checkpoint.load_checkpoint(
                 load_root,
                 self.model,
-                None if finetune or getattr(args, "no_load_optim", False) else self.optimizer,
+                None if finetune or args.no_load_optim else self.optimizer,
                 None if finetune else self.lr_scheduler,
-                load_rng=not (finetune or getattr(args, "no_load_rng", False)),
+                load_rng=not (finetune or args.no_load_rng),
                 rollout_id=ckpt_step,
             )
             start_rollout_id = 0 if finetune else loaded + 1
@@ -128,7 +128,7 @@ class FSDPTrainRayActor(TrainRayActor):
             return snapshot_local_shards(self.model)
         if is_hf_folder(ref_load):
             return shard_full_state_dict(self.model, read_hf_state_dict(ref_load, "actor"))
-        return checkpoint.read_checkpoint_shards(ref_load, self.model, getattr(self.args, "ref_ckpt_step", None))
+        return checkpoint.read_checkpoint_shards(ref_load, self.model, self.args.ref_ckpt_step)
 
     def _snapshot_weights(self, into: Weights | None = None) -> Weights:
         return snapshot_local_shards(self.model, into=into)
@@ -252,7 +252,7 @@ class FSDPTrainRayActor(TrainRayActor):
             self.model,
             self.optimizer,
             self.lr_scheduler,
-            save_optimizer=not getattr(self.args, "no_save_optim", False),
+            save_optimizer=not self.args.no_save_optim,
             role=self.role,
             update_tracker=update_tracker,
         )

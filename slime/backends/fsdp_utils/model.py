@@ -182,7 +182,7 @@ def shard_model(model: nn.Module, world_size: int, bf16: bool = False) -> tuple[
 
 def build_optimizer(args: Namespace, model: nn.Module) -> torch.optim.Optimizer:
     """AdamW from `--lr`, `--adam-beta1/2`, `--adam-eps`, `--weight-decay`."""
-    if getattr(args, "optimizer", "adam") != "adam":
+    if args.optimizer != "adam":
         raise ValueError(f"the FSDP backend supports --optimizer adam only, got {args.optimizer!r}")
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
@@ -233,7 +233,7 @@ def build_lr_scheduler(args: Namespace, optimizer: torch.optim.Optimizer) -> tor
     if style not in LR_DECAY_STYLES:
         raise ValueError(f"--lr-decay-style {style} is not supported by the FSDP backend; use one of {LR_DECAY_STYLES}")
     decay_steps = args.lr_decay_iters
-    if decay_steps is None and getattr(args, "num_rollout", None):
+    if decay_steps is None and args.num_rollout:
         decay_steps = args.num_rollout * args.num_steps_per_rollout
     if style != "constant" and not decay_steps:
         raise ValueError(f"--lr-decay-style {style} needs the decay length: pass --lr-decay-iters or --num-rollout")

@@ -86,11 +86,11 @@ def prepare_disk_target(args: Namespace) -> DiskTarget:
         match = _PUSH_STAGING.match(entry.name)
         if match:
             atomic_dir.remove_leftovers(root / match.group(1))
-    hook = getattr(args, "custom_update_weight_post_write_path", None)
+    hook = args.custom_update_weight_post_write_path
     return DiskTarget(
         root,
         hf_checkpoint.absolute(),
-        keep_files=bool(getattr(args, "update_weight_disk_keep_files", False)),
+        keep_files=args.update_weight_disk_keep_files,
         post_write=functools.partial(load_function(hook), args) if hook else None,
     )
 

@@ -39,9 +39,9 @@ def choose_transport(args: Namespace, device: torch.device, previous: WeightTran
         if device.type != "cuda" and shared_memory_available():
             return SharedMemoryTransport(gpus_per_engine)
         return CudaIpcTransport(gpus_per_engine)
-    if getattr(args, "update_weight_transport", "nccl") == "disk":
+    if args.update_weight_transport == "disk":
         return DiskTransport(args, target=previous.target if isinstance(previous, DiskTransport) else None)
-    return BroadcastTransport(gpus_per_engine, getattr(args, "rollout_backend", "sglang"))
+    return BroadcastTransport(gpus_per_engine, args.rollout_backend)
 
 
 class WeightUpdater:
