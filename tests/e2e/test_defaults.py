@@ -46,7 +46,8 @@ def context_length(model_dir) -> int:
 
 
 def test_train_py_runs_with_only_the_required_flags(tiny_model_dir, prompt_file):
-    result = run_driver_script("train.py", *required_flags(tiny_model_dir, prompt_file), timeout=300)
+    # As a new user runs it: train.py alone, starting its own local Ray cluster.
+    result = run_driver_script("train.py", *required_flags(tiny_model_dir, prompt_file), timeout=300, own_cluster=True)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     # Both rollouts were generated and trained on (the step line carries the trainer's loss).

@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -20,18 +19,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
+from support.ray_head import free_start_ports, stop_tree
 from support.runs import REPO, rollout_rows, small_run_flags, write_addition_prompts
 
-from slime.utils.http_utils import find_free_port
 from slime.utils.tracking import format_step_line
 
-START_PORT_FLAGS = (
-    "--port", "--dashboard-port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
-    "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
-)  # fmt: skip
-WORKER_PORTS = (10002, 19999)  # `ray start`'s default --min-worker-port / --max-worker-port
 README_ADDRESS = 'http://127.0.0.1:8265"'
 README_PLUGINS = "/path/to/my_plugins"
 
@@ -78,11 +71,7 @@ def head(tmp_path_factory):
     subprocess.run(["bash", "-c", generate], env=env, cwd=REPO, check=True, timeout=60)
     assert (root / "home" / ".ray" / "auth_token").stat().st_size > 0
 
-    ports: dict[str, int] = {}
-    for flag in START_PORT_FLAGS:
-        # Ray refuses a component port inside its default worker port range.
-        while flag not in ports or WORKER_PORTS[0] <= ports[flag] <= WORKER_PORTS[1]:
-            ports[flag] = find_free_port(exclude=set(ports.values()))
+    ports = free_start_ports()
     # Run directly rather than through bash, so the process this test stops is `ray start` itself.
     words = shlex.split(start)
     assignments = {}
@@ -119,21 +108,6 @@ def wait_for_dashboard(url: str, process: subprocess.Popen, log_path: Path, time
         except OSError:
             time.sleep(0.5)
     pytest.fail(f"the dashboard at {url} did not answer within {timeout} s:\n{log_path.read_text()[-3000:]}")
-
-
-def stop_tree(process: subprocess.Popen) -> None:
-    try:
-        tree = psutil.Process(process.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    process.send_signal(signal.SIGTERM)  # `ray start --block` drains the node and stops what it started
-    try:
-        process.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    _, alive = psutil.wait_procs(tree, timeout=15)
-    for leftover in alive:
-        leftover.kill()
 
 
 def submit_train(head, plugins: Path, flags: list[str]) -> tuple[subprocess.CompletedProcess, str]:

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from support.runs import REPO, TESTS
+from support.runs import run_driver_script
 from support.sft import CONVERSATION, initial_sft_loss, write_conversations
 from transformers import AutoTokenizer
 
@@ -22,17 +19,16 @@ def test_train_py_sft_run_learns_the_assistant_turns(tiny_model_dir, tokenizer, 
     messages = CONVERSATION[:5]
     data = write_conversations(tmp_path / "sft.jsonl", [{"messages": messages}] * 8)
     save = tmp_path / "run"
-    command = [
-        sys.executable, "train.py", "--hf-checkpoint", str(tiny_model_dir),
+    result = run_driver_script(
+        "train.py", "--hf-checkpoint", str(tiny_model_dir),
         "--prompt-data", str(data), "--input-key", "messages", "--rollout-shuffle",
         "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
         "--rollout-batch-size", "2", "--global-batch-size", "2", "--num-rollout", "4",
         "--loss-type", "sft_loss", "--calculate-per-token-loss", "--disable-compute-advantages-and-returns",
         "--debug-train-only", "--lr", "1e-2", "--save", str(save),
         "--rollout-data-postprocess-path", "support.sft.refuse_advantages",
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+        timeout=300,
+    )  # fmt: skip
     assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     history = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     losses = [h["train/loss"] for h in history if "train/loss" in h]

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from support.engines import engine_server, router_args, router_for
 from transformers import AutoTokenizer
 
 from slime.utils.arguments import build_parser, parse_args
+from slime.utils.run_context import RunContext, expose_to_plugins
 from slime.utils.types import Sample, Status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -431,11 +433,10 @@ def test_algorithm_snippets_become_flag_values_and_compute_as_documented(tiny_mo
 # ---- snippets against a real CPU engine behind sglang-router -------------------------------------------------
 @pytest.fixture(scope="module")
 def serving(tiny_model_dir, tmp_path_factory):
-    """(engine URL, router args): one CPU engine on the tiny model, registered with a real sglang-router."""
+    """(engine URL, router URL): one CPU engine on the tiny model, registered with a real sglang-router."""
     with engine_server(tiny_model_dir, "--context-length", "1024") as (_, engine_url):
-        args = router_args(tmp_path_factory.mktemp("router_logs"))
-        with router_for([engine_url], args):
-            yield engine_url, args
+        with router_for([engine_url], router_args(tmp_path_factory.mktemp("router_logs"))) as router_url:
+            yield engine_url, router_url
 
 
 def rollout_args(model_dir, prompts: Path, serving, *extra: str) -> argparse.Namespace:
@@ -444,9 +445,10 @@ def rollout_args(model_dir, prompts: Path, serving, *extra: str) -> argparse.Nam
     stop_ids = [str(i) for i in range(0, 320, 2)]
     flags = [*base_flags(model_dir, prompts), "--rollout-max-response-len", "4", "--rollout-stop-token-ids", *stop_ids]
     args = parse_args([*flags, *extra])
-    engine_url, router_args = serving
-    args.sglang_router_ip, args.sglang_router_port = router_args.sglang_router_ip, router_args.sglang_router_port
-    args.rollout_engine_urls = [engine_url]
+    engine_url, router_url = serving
+    router = urlparse(router_url)
+    context = RunContext(router_host=router.hostname, router_port=router.port, engine_urls_source=lambda: [engine_url])
+    expose_to_plugins(args, context)
     return args
 
 

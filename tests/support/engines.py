@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,28 +12,34 @@ import torch
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.sglang_utils.router import add_worker, router_cli_parser, start_router, wait_for_workers
 from slime.utils.http_utils import find_free_port, wait_until_healthy
+from support.ranks import ForkedProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def _serve(argv: list[str]) -> None:
+    from slime.backends.cpu_engine.server import parse_args, run_server
+
+    run_server(parse_args(argv))
+
+
 @contextlib.contextmanager
-def engine_server(model_dir: str | Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`python -m slime.backends.cpu_engine` on a free port with one thread and `flags`; yields (process, base URL)
-    once it is healthy, and stops it on exit."""
+def engine_server(model_dir: str | Path, *flags: str) -> Iterator[tuple[ForkedProcess, str]]:
+    """The CPU engine server (what `python -m slime.backends.cpu_engine` runs) in a process of its own, forked
+    with its imports done (support.ranks), on a free port with one thread and `flags`; yields (process, base URL)
+    once it is healthy, and stops it (SIGTERM, then SIGKILL after 30 s) on exit."""
     port = find_free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", str(model_dir)]
-    process = subprocess.Popen([*command, "--port", str(port), "--num-threads", "1", *flags], cwd=REPO_ROOT, env=env)
+    argv = ["--model-path", str(model_dir), "--port", str(port), "--num-threads", "1", *flags]
+    process = ForkedProcess(_serve, (argv,))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(f"{url}/health", 120, process=process)
         yield process, url
     finally:
         process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        if process.wait(timeout=30) is None:
             process.kill()
+            process.wait()
 
 
 def router_options(**changed) -> dict:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import secrets
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from slime.utils.types import Sample
+from support.ray_head import loopback_env, start_head, stop_tree
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -35,11 +41,39 @@ def small_run_flags(model_dir, prompt_file, save_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def run_driver_script(script: str, *flags: str, timeout: float = 420) -> subprocess.CompletedProcess:
-    """`python <script> <flags>` from the repository root, with tests/ importable for plugin paths."""
+def run_driver_script(
+    script: str, *flags: str, timeout: float = 420, own_cluster: bool = False
+) -> subprocess.CompletedProcess:
+    """`python <script> <flags>` from the repository root, with tests/ importable for plugin paths.
+
+    The driver joins this test process's shared Ray node (`shared_ray_node`), as under `ray job submit`, unless the
+    environment names a cluster already (RAY_ADDRESS) or `own_cluster` asks for the local cluster train.py starts
+    when it is run alone (a test of what happens to Ray's own processes needs that)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    if not own_cluster and "RAY_ADDRESS" not in env:
+        env |= shared_ray_node()
     command = [sys.executable, script, *flags]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@functools.cache
+def shared_ray_node() -> dict[str, str]:
+    """One `ray start --head` node on 127.0.0.1 for the driver runs of this test process, with a token of its own
+    (RAY_AUTH_TOKEN, in no file); returns the environment a driver joins it with. Each run still has its own job,
+    actors and engines (a job's processes end with its driver); what it saves is Ray's start and stop per run
+    (~5 s). Stopped by process id when the test process exits."""
+    env = loopback_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    log = Path(tempfile.mkdtemp(prefix="slime-test-ray-")) / "ray_start.log"
+    process, ports = start_head(16, env, log)
+    atexit.register(stop_tree, process)
+    address = f"127.0.0.1:{ports['--port']}"
+    deadline = time.monotonic() + 120
+    while subprocess.run(["ray", "status", "--address", address], env=env, capture_output=True).returncode != 0:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the shared Ray node did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    keys = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+    return {key: env[key] for key in keys} | {"RAY_ADDRESS": address}
 
 
 def rollout_rows(save_dir: Path) -> list[dict]:

@@ -2,7 +2,7 @@
 
 Each FSDP-sharded parameter is gathered to a full tensor with `DTensor.full_tensor()`, a collective
 every training rank joins, so every rank iterates the buckets to the end. The transports and the
-engine protocol are backend-neutral and live in `slime.utils.weight_sync`.
+engine protocol are backend-neutral and live in `slime.backends.weight_sync`.
 """
 
 from __future__ import annotations

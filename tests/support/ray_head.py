@@ -1,0 +1,65 @@
+"""A `ray start --head` node on 127.0.0.1 with free ports, stopped by its process id (never `ray stop`, which would
+stop every Ray on the machine, another test worker's too)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+
+import psutil
+
+from slime.utils.http_utils import find_free_port
+
+START_PORT_FLAGS = (
+    "--port", "--dashboard-port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
+    "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
+)  # fmt: skip
+WORKER_PORTS = (10002, 19999)  # `ray start`'s default --min-worker-port / --max-worker-port
+
+
+def free_start_ports() -> dict[str, int]:
+    """A free port for each of `ray start`'s component ports, none inside its default worker port range."""
+    ports: dict[str, int] = {}
+    for flag in START_PORT_FLAGS:
+        while flag not in ports or WORKER_PORTS[0] <= ports[flag] <= WORKER_PORTS[1]:
+            ports[flag] = find_free_port(exclude=set(ports.values()))
+    return ports
+
+
+def start_head(num_cpus: int, env: dict[str, str], log_path, *extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
+    """`ray start --head --block` on 127.0.0.1 with free ports (every Ray process of the node descends from the
+    process returned); returns it and the ports. The caller waits for the node and stops it with `stop_tree`."""
+    ports = free_start_ports()
+    temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # Ray's socket paths must stay short
+    command = [
+        "ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--disable-usage-stats",
+        "--num-cpus", str(num_cpus), "--temp-dir", temp_dir,
+        *[str(word) for flag, port in ports.items() for word in (flag, port)], *extra,
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return process, ports
+
+
+def stop_tree(process: subprocess.Popen) -> None:
+    """SIGTERM to `ray start --block` (it drains the node and stops what it started), then SIGKILL to any
+    descendant still alive 15 s later."""
+    try:
+        tree = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    _, alive = psutil.wait_procs(tree, timeout=15)
+    for leftover in alive:
+        leftover.kill()
+
+
+def loopback_env() -> dict[str, str]:
+    """This environment with Ray bound to loopback (its servers and a joining driver)."""
+    return dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
