@@ -394,7 +394,7 @@ def compute_advantages_and_returns(
         process_group: Group to whiten over (default: the default group).
         device: Device the whitening all-reduce runs on (CUDA under NCCL).
     """
-    custom = getattr(args, "custom_advantage_function_path", None)
+    custom = args.custom_advantage_function_path
     if custom:
         import_object(custom, "--custom-advantage-function-path")(args, data)
         missing = [key for key in ("advantages", "returns") if data.get(key) is None]
@@ -411,7 +411,7 @@ def compute_advantages_and_returns(
         data["advantages"], data["returns"] = list(advantages), list(returns)
 
     # The critic has no log-probs and reads only the returns, which the teacher term leaves alone (as upstream).
-    if getattr(args, "use_opd", False) and data.get("log_probs") is not None:
+    if args.use_opd and data.get("log_probs") is not None:
         if data.get("teacher_log_probs") is None:
             raise ValueError("--use-opd needs teacher_log_probs in the rollout data (Sample.teacher_log_probs)")
         data["advantages"], data["opd_reverse_kl"] = apply_opd_kl_to_advantages(

@@ -185,10 +185,9 @@ def seq_mean_token_sum_norm(values: list[torch.Tensor], masks: list[torch.Tensor
 
 def default_loss_agg_mode(args: Namespace) -> str:
     """`--loss-agg-mode`, or when unset `token-mean` with `--calculate-per-token-loss`, else `seq-mean-token-mean`."""
-    mode = getattr(args, "loss_agg_mode", None)
-    if mode:
-        return mode
-    return "token-mean" if getattr(args, "calculate_per_token_loss", False) else "seq-mean-token-mean"
+    if args.loss_agg_mode:
+        return args.loss_agg_mode
+    return "token-mean" if args.calculate_per_token_loss else "seq-mean-token-mean"
 
 
 @dataclass
@@ -219,8 +218,7 @@ class StepNormalizer:
         """The step's normalizer under `args` (`--loss-agg-mode`, `--rollout-max-response-len`)."""
         load_from_args(args)
         mode = default_loss_agg_mode(args)
-        horizon = getattr(args, "rollout_max_response_len", None)
-        return cls(int(num_samples), int(num_tokens), mode == "token-mean", mode, horizon)
+        return cls(int(num_samples), int(num_tokens), mode == "token-mean", mode, args.rollout_max_response_len)
 
     def reduce(self, per_token_values: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> torch.Tensor:
         """This micro-batch's share of the step's aggregate of a loss term, under `mode`."""

@@ -58,7 +58,7 @@ def policy_loss_from_log_probs(
     metrics: Metrics = {}
     pg_masks = masks
     if args.use_tis:
-        tis_path = getattr(args, "custom_tis_function_path", None)
+        tis_path = args.custom_tis_function_path
         tis_function = import_object(tis_path, "--custom-tis-function-path") if tis_path else vanilla_tis_function
         pg_losses, pg_masks, tis_metrics = tis_function(
             args,

@@ -89,7 +89,8 @@ def load_user_registrations(modules: Iterable[str] | str | None) -> None:
 
 
 def load_from_args(args: Namespace) -> None:
-    """`load_user_registrations(args.custom_algorithm_module)`; a no-op for namespaces without the flag."""
+    """`load_user_registrations(args.custom_algorithm_module)`; a no-op for namespaces without the flag (the
+    algorithms are also called with hand-built namespaces: tests, docs' snippets, user code)."""
     load_user_registrations(getattr(args, "custom_algorithm_module", None))
 
 

@@ -33,9 +33,7 @@ def model_parallel_sizes(args) -> tuple[int, int, int]:
     """(tensor, pipeline, context) parallel sizes of the trainer: Megatron's flags, all 1 under FSDP."""
     if args.train_backend != "megatron":
         return 1, 1, 1
-    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
-    tp, pp, cp = (int(getattr(args, name, 1) or 1) for name in names)
-    return tp, pp, cp
+    return args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
 
 
 def data_parallel_rank(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
@@ -141,7 +139,7 @@ class RayTrainGroup:
             if not dead:
                 raise
             ranks = ("rank " if len(dead) == 1 else "ranks ") + ", ".join(map(str, dead))
-            resume = f"--load {self.args.save}" if getattr(self.args, "save", None) else "--load <your --save folder>"
+            resume = f"--load {self.args.save}" if self.args.save else "--load <your --save folder>"
             raise RuntimeError(
                 f"training {ranks} of the {self.role} ({len(self.actors)} ranks) died during {what}; its log is in "
                 f"Ray's session logs (/tmp/ray/session_latest/logs). Resume from the last checkpoint with {resume}"

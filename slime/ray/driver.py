@@ -55,7 +55,7 @@ def check_resume(args) -> int | None:
         FileNotFoundError: naming the step, the missing parts and the fix.
     """
     step = run_dir.committed_step(args.load)
-    if getattr(args, "ckpt_step", None) is not None and args.train_backend == "fsdp":
+    if args.train_backend == "fsdp" and args.ckpt_step is not None:  # an FSDP-only flag
         step = args.ckpt_step  # Megatron's --ckpt-step: resume from this step instead of the tracker's
     if step is None:
         return None

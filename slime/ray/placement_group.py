@@ -217,7 +217,7 @@ def create_placement_groups(args) -> dict[str, PlacementSlice]:
 
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
-    timeout = 60 * getattr(args, "distributed_timeout_minutes", 10)
+    timeout = 60 * args.distributed_timeout_minutes
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if not ready:
         raise RuntimeError(
@@ -237,7 +237,7 @@ def create_placement_groups(args) -> dict[str, PlacementSlice]:
 
     slices = {"actor": part(0, num_actor), "rollout": part(rollout_offset, num_rollout)}
     rollout, per_engine = slices["rollout"], args.rollout_num_gpus_per_engine
-    if num_rollout and not getattr(args, "rollout_external_engine_addrs", None):
+    if num_rollout and not args.rollout_external_engine_addrs:
         problem = engine_placement_problem(rollout.node_ips, per_engine, node_slots, use_gpu)
         problem = problem or engine_host_problem(args, [rollout.host(i) for i in range(0, num_rollout, per_engine)])
         if problem:

@@ -88,7 +88,7 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
         data["rollout_routed_experts"] = [s.rollout_routed_experts for s in samples]
     if all(s.teacher_log_probs is not None for s in samples):  # on-policy distillation (--use-opd)
         data["teacher_log_probs"] = [s.teacher_log_probs for s in samples]
-    if getattr(args, "keep_old_actor", False):  # the trainer takes old log-probs from the weights that generated them
+    if args.keep_old_actor:  # the trainer takes old log-probs from the weights that generated them
         data["weight_versions"] = [s.weight_versions[-1] if s.weight_versions else None for s in samples]
     return data
 
@@ -393,7 +393,7 @@ class RolloutManager:
     def eval(self, rollout_id: int) -> dict[str, float]:
         """Run every eval set; returns `eval/<name>` mean reward and truncation rate."""
         self.wait_for_engines()
-        if not (self.args.eval_prompt_data or getattr(self.args, "eval_config", None)):
+        if not (self.args.eval_prompt_data or self.args.eval_config):
             return {}
         output = self._call_rollout_fn(self.eval_fn, rollout_id, evaluation=True)
         data = output.data if isinstance(output, RolloutFnEvalOutput) else output

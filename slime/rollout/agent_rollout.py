@@ -7,6 +7,9 @@ tools, and returns its final answer (kept in `sample.metadata["agent_answer"]`) 
 sample: the model's tokens trained on (loss mask 1), tool / user / template tokens not (mask 0). A session gets
 `--max-turns` model turns and stays within the context limit; requests past either are refused and
 the sample is TRUNCATED. An agent that raises gives a FAILED sample, never trained on, and the rollout goes on.
+
+The rollout is also driven with namespaces holding only the agent's fields (tests, examples), so those are read
+with defaults.
 """
 
 from __future__ import annotations

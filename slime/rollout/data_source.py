@@ -278,7 +278,7 @@ class RolloutDataSource:
                 "version of slime's data source: resume from a checkpoint it wrote, or start a new run"
             ) from e
         self.load_state_dict(state)
-        start_rollout_id = getattr(self.args, "start_rollout_id", None)
+        start_rollout_id = self.args.start_rollout_id
         if start_rollout_id is not None and start_rollout_id != rollout_id + 1:
             logger.warning(
                 "loaded data source of rollout %d but --start-rollout-id is %d; prompts and model steps may not line up",

@@ -283,7 +283,7 @@ class FullyAsyncWorker:
         """Generate and score one sample, sending it again after each abort (a weight push aborts it once)."""
         prompt = reset_to_prompt(sample)
         # Only the built-in generate continues a partial response; custom and agent generations start over.
-        custom = self.state.custom_generate is not None or getattr(self.args, "agent_function_path", None)
+        custom = self.state.custom_generate is not None or self.args.agent_function_path
         can_continue = self.args.partial_rollout and not custom
         for _ in range(MAX_ABORTS_PER_SAMPLE):
             result = await generate_and_rm(self.args, sample, self.sampling_params)

@@ -46,7 +46,7 @@ def _preview(value: Any, limit: int = 120) -> str:
 
 def _check_conversation(prompt: Any, args: Any, sample: Sample) -> list[dict[str, Any]]:
     where = f"sample {sample.index} (prompt group {sample.group_index})"
-    if isinstance(prompt, str) and getattr(args, "apply_chat_template", False):
+    if isinstance(prompt, str) and args.apply_chat_template:
         raise ValueError(
             f"{where}: the prompt is already rendered text because --apply-chat-template is set; drop "
             "--apply-chat-template, sft_rollout renders the conversation itself"
@@ -80,7 +80,7 @@ def sft_sample(args: Any, tokenizer: Any, sample: Sample, rollout_id: int) -> Sa
     messages = _check_conversation(sample.prompt, args, sample)
     try:
         tokens, mask, response = tokenize_conversation(
-            tokenizer, messages, sample.metadata.get("tools"), getattr(args, "apply_chat_template_kwargs", None)
+            tokenizer, messages, sample.metadata.get("tools"), args.apply_chat_template_kwargs
         )
     except ValueError as e:
         raise ValueError(f"sample {sample.index} (prompt group {sample.group_index}): {e}") from e

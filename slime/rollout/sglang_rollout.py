@@ -118,20 +118,19 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     `context_limit`, which `generate` lowers to what the prompt leaves.
     """
 
-    def pick(eval_name: str, rollout_value):
-        value = getattr(args, eval_name, None) if evaluation else None
-        return rollout_value if value is None else value
+    def pick(eval_value, rollout_value):
+        return rollout_value if eval_value is None or not evaluation else eval_value
 
-    max_new_tokens = pick("eval_max_response_len", args.rollout_max_response_len)
+    max_new_tokens = pick(args.eval_max_response_len, args.rollout_max_response_len)
     params = {
-        "temperature": pick("eval_temperature", args.rollout_temperature),
-        "top_p": pick("eval_top_p", args.rollout_top_p),
-        "top_k": pick("eval_top_k", args.rollout_top_k),
+        "temperature": pick(args.eval_temperature, args.rollout_temperature),
+        "top_p": pick(args.eval_top_p, args.rollout_top_p),
+        "top_k": pick(args.eval_top_k, args.rollout_top_k),
         "max_new_tokens": context_limit(args, evaluation) if max_new_tokens is None else max_new_tokens,
         "skip_special_tokens": args.rollout_skip_special_tokens,
         "no_stop_trim": True,
     }
-    if evaluation and getattr(args, "eval_min_new_tokens", None):
+    if evaluation and args.eval_min_new_tokens:
         params["min_new_tokens"] = args.eval_min_new_tokens
     if args.rollout_stop:
         params["stop"] = args.rollout_stop
@@ -184,13 +183,13 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
     async with state.semaphore:
         if state.custom_generate is not None:
             result = await maybe_await(state.custom_generate(args, sample, sampling_params))
-        elif getattr(args, "agent_function_path", None):
+        elif args.agent_function_path:
             result = await agent_generate(args, sample, sampling_params, state.context_limits[evaluation])
         else:
             result = await generate(args, sample, sampling_params, evaluation)
     samples = result if isinstance(result, list) else [result]
     # --rollout-sample-hook-path: [async] hook(args, sample, *, rollout_id, evaluation) -> Sample | None (kept).
-    for path in getattr(args, "rollout_sample_hook_path", None) or []:
+    for path in args.rollout_sample_hook_path or []:
         hook = load_function(path)
         for i, s in enumerate(samples):
             if s.status != Status.ABORTED:
@@ -281,10 +280,10 @@ def finish_rollout_batch(
         return group[0].group_index if group[0].group_index is not None else 0
 
     kept.sort(key=by_group_index)
-    sample_filter = getattr(args, "rollout_sample_filter_path", None)
+    sample_filter = args.rollout_sample_filter_path
     if sample_filter:  # f(args, groups) sets remove_sample on the samples not to train on
         load_function(sample_filter)(args, kept)
-    process_all = getattr(args, "rollout_all_samples_process_path", None)
+    process_all = args.rollout_all_samples_process_path
     if process_all:  # f(args, groups, data_source), the groups the dynamic filter dropped included
         load_function(process_all)(args, sorted(kept + dropped, key=by_group_index), data_source)
     return kept

@@ -1,6 +1,9 @@
 """What the processes that talk to the engines read off slime's arguments: how long a request may be, how long to
 retry while a failed engine is replaced, and the key engines require. One copy for the default rollout, the
-multi-turn helpers, the agent rollout and the engine launchers."""
+multi-turn helpers, the agent rollout and the engine launchers.
+
+Every field is read with a default: user agents and generate functions (slime.agent, examples/) call these with
+namespaces they build themselves, holding only the fields they set."""
 
 from __future__ import annotations
 

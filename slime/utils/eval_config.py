@@ -116,7 +116,7 @@ def load_eval_config(path: str) -> list[EvalDatasetConfig]:
 
 def eval_datasets(args) -> list[EvalDatasetConfig]:
     """The run's evaluation sets with every setting resolved against the `--eval-*` / `--rollout-*` flags."""
-    if getattr(args, "eval_config", None):
+    if args.eval_config:
         configured = load_eval_config(args.eval_config)
     else:
         configured = [EvalDatasetConfig(name=name, path=path) for name, path in (args.eval_prompt_data or [])]
@@ -127,7 +127,7 @@ def eval_datasets(args) -> list[EvalDatasetConfig]:
         "top_k": _first(args.eval_top_k, args.rollout_top_k),
         "max_response_len": _first(args.eval_max_response_len, args.rollout_max_response_len),
         "max_prompt_len": _first(args.eval_max_prompt_len, args.rollout_max_prompt_len),
-        "min_new_tokens": getattr(args, "eval_min_new_tokens", None),
+        "min_new_tokens": args.eval_min_new_tokens,
         "rm_type": None,  # None: the run's --rm-type / --custom-rm-path
         "reward_key": _first(args.eval_reward_key, args.reward_key),
         "input_key": _first(args.eval_input_key, args.input_key),

@@ -1,5 +1,6 @@
 """One token-in/token-out `/generate` request through the router (straight to an engine under routing replay), its
-answer appended to the sample: the turn step shared by the default rollout and the multi-turn helpers."""
+answer appended to the sample: the turn step shared by the default rollout and the multi-turn helpers. User
+generate functions and agents call it with namespaces they build, so its fields are read with defaults."""
 
 from __future__ import annotations
 

@@ -265,7 +265,7 @@ class Tracker:
         self.tensorboard = None
         self.history_path: Path | None = None
         self.last_row: dict[str, Any] | None = None
-        self.ci = CIChecks(args) if getattr(args, "ci_test", False) else None
+        self.ci = CIChecks(args) if args.ci_test else None
         if args.use_wandb:
             self.wandb = init_wandb(args, start_rollout_id)
             self.wandb_defined: set[str] = set()

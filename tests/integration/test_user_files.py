@@ -251,7 +251,7 @@ def test_resume_refuses_a_step_with_missing_parts(tiny_model_dir, tmp_path):
 
 
 def tracker_args(save) -> Namespace:
-    return Namespace(use_wandb=False, use_tensorboard=False, save=str(save))
+    return Namespace(use_wandb=False, use_tensorboard=False, save=str(save), ci_test=False)
 
 
 @pytest.mark.reliability(

@@ -170,7 +170,9 @@ def test_rloo_baseline_is_the_mean_of_the_other_samples():
 
 
 def test_rloo_advantage_is_the_baselined_reward_on_every_token():
-    args = rloo_args(2, kl_loss_type="k1", normalize_advantages=False, custom_advantage_function_path=None)
+    args = rloo_args(
+        2, kl_loss_type="k1", normalize_advantages=False, custom_advantage_function_path=None, use_opd=False
+    )
     data = {"rewards": group_baseline_rewards(args, [3.0, 1.0]), "loss_masks": [torch.ones(3), torch.ones(2)]}
     compute_advantages_and_returns(args, data)
     # 3 - 1 = 2 and 1 - 3 = -2, on each response token

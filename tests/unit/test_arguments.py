@@ -347,6 +347,7 @@ def _fake_megatron_parse_args(extra_args_provider=None, ignore_unknown_args=Fals
     parser.add_argument("--save", default=None)
     parser.add_argument("--load", default=None)
     parser.add_argument("--save-interval", type=int, default=None)
+    parser.add_argument("--calculate-per-token-loss", action="store_true")
     parser = extra_args_provider(parser)
     assert ignore_unknown_args
     args, _ = parser.parse_known_args()

@@ -20,6 +20,7 @@ def make_args(**overrides):
         disable_grpo_std_normalization=False,
         global_batch_size=4,
         balance_data=False,
+        keep_old_actor=False,
     )
     return Namespace(**{**defaults, **overrides})
 

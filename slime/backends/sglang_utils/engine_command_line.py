@@ -6,6 +6,9 @@ and is forwarded to every SGLang server as `--<flag> value`. With sglang install
 ServerArgs field, defaults included, so only values that differ from SGLang's own CLI defaults are
 passed on, each in the form its argparse action expects. The fields that depend on where an engine is
 placed (model path, ports, GPUs, nodes) are slime's to set; passing one of them raises.
+
+The command lines take any namespace that holds the fields it sets (engines launched on their own, outside a
+run, pass only those), so every field is read with a default.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ def start_router(args: argparse.Namespace, startup_timeout: float = 60.0) -> Rou
         RuntimeError / TimeoutError: the launched router died or never became healthy (the error carries
             the end of its log).
     """
+    # Any namespace with the router fields will do (a router launched on its own, outside a run).
     host = getattr(args, "sglang_router_ip", None)
     port = getattr(args, "sglang_router_port", None)
     parser = router_cli_parser()

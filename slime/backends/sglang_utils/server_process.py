@@ -90,6 +90,7 @@ def _loggable(command: list[str]) -> str:
 
 def server_log_path(args: Namespace, name: str) -> Path:
     """A fresh log file path for a server: `<args.server_log_dir or $TMPDIR/slime_logs>/<name>_<time>.log`."""
+    # not a flag: set only on namespaces built for servers launched on their own (tests/support/engines.py)
     log_dir = Path(getattr(args, "server_log_dir", None) or Path(tempfile.gettempdir()) / "slime_logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     return log_dir / f"{name}_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}.log"

@@ -3,7 +3,9 @@
 A group whose responses all earn the same reward has zero advantage under GRPO and teaches nothing;
 these filters drop such groups (and broken ones) before they reach the trainer. Every filter has the
 signature `f(args, samples, **kwargs) -> DynamicFilterOutput`, where `samples` are the responses to one
-prompt, and reads rewards with `--reward-key` when rewards are dicts.
+prompt, and reads rewards with `--reward-key` when rewards are dicts. Filters read their settings with defaults:
+the `dynamic_sampling_*` thresholds are not slime flags (a user sets them on `args`), and user filters call these
+with namespaces of their own.
 """
 
 from __future__ import annotations

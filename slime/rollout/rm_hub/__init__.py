@@ -8,6 +8,9 @@ so one dataset can mix reward types.
 math, deepscaler and dapo are graded in worker processes (`reward_workers`) under `--rm-timeout-secs`, so a
 pathological answer costs at most that and never blocks the event loop; it scores as a wrong answer and is
 counted in `pop_reward_metrics()["reward/timeouts"]`.
+
+`async_rm` / `batched_async_rm` are also called from user reward functions with namespaces they build, so every
+field is read with a default.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def _add_opd_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load_algorithm_modules(args: argparse.Namespace) -> None:
     try:
-        algorithms.load_user_registrations(getattr(args, "custom_algorithm_module", None))
+        algorithms.load_user_registrations(args.custom_algorithm_module)
     except ValueError as e:
         _fail(str(e))
 

@@ -29,7 +29,7 @@ def _validate_output_folders(args: argparse.Namespace) -> None:
             f"would start again and overwrite it. Pass --load {args.save} to resume it, or choose another --save "
             "for a new run."
         )
-    save_hf = getattr(args, "save_hf", None)
+    save_hf = args.save_hf
     if not save_hf:
         return
     try:

@@ -184,7 +184,7 @@ def _validate_algorithm_registries(args: argparse.Namespace) -> None:
         estimator.group_rewards is not None
         and not args.disable_rewards_normalization
         and not args.custom_reward_post_process_path
-        and not getattr(args, "custom_advantage_function_path", None)
+        and not args.custom_advantage_function_path
         and loss_kind(args.loss_type) == "policy_loss"
         and not args.debug_rollout_only
     )
@@ -202,7 +202,7 @@ def _validate_algorithm_registries(args: argparse.Namespace) -> None:
         )
         args.normalize_advantages = True
 
-    per_token = getattr(args, "calculate_per_token_loss", False)
+    per_token = args.calculate_per_token_loss
     if per_token and args.loss_agg_mode not in (None, "token-mean"):
         _fail(
             f"--calculate-per-token-loss means --loss-agg-mode token-mean, but --loss-agg-mode is "
@@ -409,8 +409,9 @@ def _validate_routing_replay(args: argparse.Namespace) -> None:
                     f"--use-rollout-routing-replay: --hf-checkpoint {args.hf_checkpoint} is a dense model (its "
                     "config.json names no experts); routing replay is for MoE models, drop the flag."
                 )
+    # Megatron's own flags under megatron.training, FSDP-only otherwise: absent from slime's Megatron subset.
     recompute = getattr(args, "recompute_granularity", None) or getattr(args, "recompute_activations", False)
-    if args.train_backend == "megatron" and recompute and getattr(args, "pipeline_model_parallel_size", 1) > 1:
+    if args.train_backend == "megatron" and recompute and args.pipeline_model_parallel_size > 1:
         _fail(
             "--use-rollout-routing-replay with activation recompute and --pipeline-model-parallel-size "
             f"{args.pipeline_model_parallel_size}: a recomputed layer would replay another micro-batch's routing; "
@@ -436,7 +437,7 @@ def _validate_agent(args: argparse.Namespace) -> None:
 def _validate_engine_limits(args: argparse.Namespace) -> None:
     if args.cpu_engine_max_queued_requests < 1:
         _fail(f"--cpu-engine-max-queued-requests must be at least 1, got {args.cpu_engine_max_queued_requests}.")
-    api_key = getattr(args, "sglang_api_key", None)
+    api_key = getattr(args, "sglang_api_key", None)  # forwarded: there only with SGLang installed, or when given
     if api_key is not None and not isinstance(api_key, str):  # the generic --sglang-* parser typed it
         _fail(f"--sglang-api-key was read as {api_key!r}, not text; use a key that is not a number or true/false.")
     if api_key is not None and not api_key.strip():
