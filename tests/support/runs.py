@@ -82,10 +82,12 @@ def rollout_rows(save_dir: Path) -> list[dict]:
     return [row for row in rows if "rollout/reward" in row]
 
 
-def run_training(script: str, save_dir: Path, *flags: str, timeout: float = 420) -> list[dict]:
+def run_training(
+    script: str, save_dir: Path, *flags: str, timeout: float = 420, own_cluster: bool = False
+) -> list[dict]:
     """`run_driver_script`, failing the test with the tails of its output unless it exits 0; returns the
     `rollout_rows` of `save_dir` (where `flags` save)."""
-    result = run_driver_script(script, *flags, timeout=timeout)
+    result = run_driver_script(script, *flags, timeout=timeout, own_cluster=own_cluster)
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return rollout_rows(save_dir)
 
