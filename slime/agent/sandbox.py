@@ -23,6 +23,7 @@ How the child is confined (Linux):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import logging
@@ -378,10 +379,16 @@ def _unshare(plan: _Plan, limits: SandboxLimits) -> None:
             f.write(text)
 
 
+def _kill_if_alive(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
 def _relay_exit(pid: int) -> None:
     """In the intermediate process: wait for the sandbox and exit the way it did."""
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # incl. Popen's exec-status pipe, which the parent waits on
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
+    # The sandbox may have exited (and been reaped below) by the time the kill comes: nothing left to kill.
+    signal.signal(signal.SIGTERM, lambda *_: _kill_if_alive(pid))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     status = os.waitpid(pid, 0)[1]
     if os.WIFSIGNALED(status):
