@@ -28,6 +28,7 @@ from slime.agent.trajectory_proxy import TrajectoryProxy, session_to_sample
 from slime.utils.engine_args import context_limit as default_context_limit
 from slime.utils.engine_args import engine_api_key
 from slime.utils.misc import load_function
+from slime.utils.run_context import RunContext, engine_urls
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -67,16 +68,23 @@ async def get_proxy(args) -> TrajectoryProxy:
     return _proxy
 
 
-async def generate(args, sample: Sample, sampling_params: dict[str, Any], context_limit: int | None = None) -> Sample:
+async def generate(
+    args,
+    sample: Sample,
+    sampling_params: dict[str, Any],
+    context_limit: int | None = None,
+    run_context: RunContext | None = None,
+) -> Sample:
     """Run the `--agent-function-path` agent on `sample` through the trajectory proxy and return the sample.
 
     Args:
-        args: Parsed arguments: `agent_function_path`, `max_turns`, `hf_checkpoint`, `rollout_engine_urls` (set by
-            the rollout manager), `sglang_api_key`, `rollout_max_context_len`.
+        args: Parsed arguments: `agent_function_path`, `max_turns`, `hf_checkpoint`, `sglang_api_key`,
+            `rollout_max_context_len` (and `rollout_engine_urls` without a run context).
         sample: The prompt sample; its response fields are replaced by the session's.
         sampling_params: SGLang sampling params for the turns whose request does not set them; the agent gets a copy.
         context_limit: Most prompt + response tokens of a turn; None means `--rollout-max-context-len`, never more
             than the engine holds (the default rollout passes its own, `--eval-max-context-len` in eval).
+        run_context: The run's context, whose engines the sessions use; None reads them from `args`.
 
     Returns:
         The sample, with `status` COMPLETED / TRUNCATED from the session, ABORTED when an engine aborted a turn,
@@ -85,7 +93,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any], contex
     agent = load_agent(args.agent_function_path)
     proxy = await get_proxy(args)
     session = proxy.open_session(
-        list(getattr(args, "rollout_engine_urls", None) or []),
+        engine_urls(args, run_context),
         sampling_params=sampling_params,
         max_turns=args.max_turns,
         context_limit=context_limit if context_limit is not None else default_context_limit(args),

@@ -173,7 +173,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any], evalua
         sample.status = Status.TRUNCATED
         return sample
 
-    await generate_into_sample(args, sample, params)
+    await generate_into_sample(args, sample, params, state.context)
     return sample
 
 
@@ -184,7 +184,9 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
         if state.custom_generate is not None:
             result = await maybe_await(state.custom_generate(args, sample, sampling_params))
         elif args.agent_function_path:
-            result = await agent_generate(args, sample, sampling_params, state.context_limits[evaluation])
+            result = await agent_generate(
+                args, sample, sampling_params, state.context_limits[evaluation], run_context=state.context
+            )
         else:
             result = await generate(args, sample, sampling_params, evaluation)
     samples = result if isinstance(result, list) else [result]

@@ -1,6 +1,7 @@
 """One token-in/token-out `/generate` request through the router (straight to an engine under routing replay), its
 answer appended to the sample: the turn step shared by the default rollout and the multi-turn helpers. User
-generate functions and agents call it with namespaces they build, so its fields are read with defaults."""
+generate functions and agents call it with namespaces they build, so its fields are read with defaults; the router
+and the engines come from the run context when the caller has one (the default rollout), else from `args`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from transformers import AutoConfig
@@ -15,10 +17,13 @@ from transformers import AutoConfig
 from slime.utils.engine_args import engine_api_key, engine_failover_window
 from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
 from slime.utils.moe_routing import decode_routed_experts, routing_shape
+from slime.utils.run_context import RunContext, engine_urls, router_url
 from slime.utils.types import Sample, Status
 
 
-async def generate_into_sample(args: argparse.Namespace, sample: Sample, sampling_params: dict[str, Any]) -> str:
+async def generate_into_sample(
+    args: argparse.Namespace, sample: Sample, sampling_params: dict[str, Any], context: RunContext | None = None
+) -> str:
     """Send `sample.tokens` as `input_ids` to the router's `/generate` and append the answer to `sample`.
 
     The new tokens go in trainable, with the engine's log-probs; the engine's weight version is recorded and the
@@ -30,6 +35,9 @@ async def generate_into_sample(args: argparse.Namespace, sample: Sample, samplin
     prompt's group, as the router's cache-aware policy would pick. The routing of the whole sequence replaces
     `sample.rollout_routed_experts`.
 
+    `context` is the run's (the router, the engines as fault tolerance replaces them); without one they are read
+    from `args` (`sglang_router_ip`, `sglang_router_port`, `rollout_engine_urls`).
+
     Returns:
         The text the engine generated.
     """
@@ -37,10 +45,10 @@ async def generate_into_sample(args: argparse.Namespace, sample: Sample, samplin
     replay = getattr(args, "use_rollout_routing_replay", False)
     if replay:
         payload["return_routed_experts"] = True
-        output = await _post_to_an_engine(args, sample, payload)
+        output = await _post_to_an_engine(args, sample, payload, lambda: engine_urls(args, context))
     else:
         output = await async_post_json(
-            f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate",
+            f"{router_url(args, context)}/generate",
             payload,
             timeout=getattr(args, "sglang_router_request_timeout_secs", None),
             retry_failures_for=engine_failover_window(args),
@@ -57,12 +65,14 @@ async def generate_into_sample(args: argparse.Namespace, sample: Sample, samplin
     return output["text"]
 
 
-async def _post_to_an_engine(args: argparse.Namespace, sample: Sample, payload: dict[str, Any]) -> Any:
+async def _post_to_an_engine(
+    args: argparse.Namespace, sample: Sample, payload: dict[str, Any], current_urls: Callable[[], list[str]]
+) -> Any:
     """POST /generate to the engine of the sample's group; while fault tolerance replaces a failed engine, ask
-    again at the (new) URL the rollout manager keeps in `args.rollout_engine_urls`."""
+    again at the (new) URL `current_urls` gives."""
     give_up_at = time.monotonic() + engine_failover_window(args)
     while True:
-        urls = getattr(args, "rollout_engine_urls", None) or []
+        urls = current_urls()
         if not urls:
             raise ValueError("--use-rollout-routing-replay: no engine URLs (the rollout manager sets them)")
         url = urls[hash(sample.group_index if sample.group_index is not None else sample.index) % len(urls)]

@@ -67,3 +67,18 @@ def expose_to_plugins(args: argparse.Namespace, context: RunContext) -> None:
     if context.router_host is not None:
         args.sglang_router_ip, args.sglang_router_port = context.router_host, context.router_port
         args.rollout_engine_urls = context.engine_urls()
+
+
+def router_url(args: argparse.Namespace, context: RunContext | None) -> str:
+    """The router's base URL: the run context's, else the one on `args` (a user function calling a slime helper
+    with the args it was given, or a namespace of its own)."""
+    if context is not None and context.router_url is not None:
+        return context.router_url
+    return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+
+
+def engine_urls(args: argparse.Namespace, context: RunContext | None) -> list[str]:
+    """The engines' base URLs now: the run context's, else the ones on `args` (see `router_url`)."""
+    if context is not None and context.router_host is not None:
+        return context.engine_urls()
+    return list(getattr(args, "rollout_engine_urls", None) or [])

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import threading
 import time
-from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from support.flags import slime_flags
 
 from slime.backends.sglang_utils.engine_command_line import (
     build_cpu_engine_args,
@@ -36,7 +36,7 @@ from slime.utils.http_utils import (
 
 
 def test_sglang_server_args_forward_user_flags_after_managed_ones():
-    args = Namespace(
+    args = slime_flags(
         sglang_server_args={
             "mem_fraction_static": 0.7,
             "cuda-graph-bs": [1, 2, 4],
@@ -61,7 +61,7 @@ def test_sglang_server_args_forward_user_flags_after_managed_ones():
 
 
 def test_sglang_server_args_multi_node_and_no_offload():
-    args = Namespace(sglang_server_args={}, offload_rollout=False)
+    args = slime_flags(sglang_server_args={}, offload_rollout=False)
     cli = build_sglang_server_args(
         args, model_path="/m", host="h", port=1, tp_size=16, base_gpu_id=0, nccl_port=2,
         dist_init_addr="10.0.0.1:5000", nnodes=2, node_rank=1,
@@ -75,7 +75,7 @@ def test_sglang_server_args_multi_node_and_no_offload():
     "field, hint", [("tp_size", "--rollout-num-gpus-per-engine"), ("model-path", "--hf-checkpoint"), ("port", "free")]
 )
 def test_sglang_server_args_refuse_managed_fields(field, hint):
-    args = Namespace(sglang_server_args={field: "x", "mem_fraction_static": 0.5})
+    args = slime_flags(sglang_server_args={field: "x", "mem_fraction_static": 0.5})
     with pytest.raises(ValueError) as error:
         build_sglang_server_args(args, model_path="/m", host="h", port=1, tp_size=1, base_gpu_id=0, nccl_port=2)
     assert f"--sglang-{field.replace('_', '-')}" in str(error.value)
@@ -83,17 +83,17 @@ def test_sglang_server_args_refuse_managed_fields(field, hint):
 
 
 def test_cpu_engine_args_defaults_and_overrides():
-    assert build_cpu_engine_args(Namespace(), model_path="/m", host="127.0.0.1", port=5) == [
+    assert build_cpu_engine_args(slime_flags(), model_path="/m", host="127.0.0.1", port=5) == [
         "--model-path", "/m", "--host", "127.0.0.1", "--port", "5",
-        "--max-running-requests", "32", "--num-threads", "1",
+        "--max-running-requests", "32", "--max-queued-requests", "4096", "--num-threads", "1",
     ]  # fmt: skip
-    args = Namespace(cpu_engine_max_running_requests=8, cpu_engine_num_threads=2, sglang_server_args={"x": 1})
+    args = slime_flags(cpu_engine_max_running_requests=8, cpu_engine_num_threads=2, sglang_server_args={"x": 1})
     cli = build_cpu_engine_args(args, model_path="/m", host="h", port=5)
-    assert cli[-4:] == ["--max-running-requests", "8", "--num-threads", "2"]
+    assert cli[-6:] == ["--max-running-requests", "8", "--max-queued-requests", "4096", "--num-threads", "2"]
 
 
 def test_cpu_engine_args_forward_the_api_key_and_queue_limit():
-    args = Namespace(
+    args = slime_flags(
         cpu_engine_max_queued_requests=64, sglang_server_args={"api-key": "k3y", "mem_fraction_static": 0.5}
     )
     cli = build_cpu_engine_args(args, model_path="/m", host="127.0.0.1", port=5)
@@ -141,7 +141,7 @@ def test_sglang_server_args_parse_with_real_sglang():
         action.dest: action.default for action in parser._actions if action.dest not in SGLANG_MANAGED_FIELDS
     }
     user_changes = {"mem_fraction_static": 0.6, "cuda_graph_bs_decode": [1, 2]}
-    args = Namespace(
+    args = slime_flags(
         sglang_server_args=every_field | user_changes, offload_rollout=True, use_rollout_routing_replay=True
     )
     cli = build_sglang_server_args(
@@ -284,7 +284,7 @@ def test_async_post_json_retries_until_the_server_is_up():
 def engine(tiny_model_dir, tmp_path_factory):
     from slime.backends.sglang_utils.engine_actor import RolloutEngine
 
-    args = Namespace(hf_checkpoint=str(tiny_model_dir), server_log_dir=str(tmp_path_factory.mktemp("logs")))
+    args = slime_flags(hf_checkpoint=str(tiny_model_dir), server_log_dir=str(tmp_path_factory.mktemp("logs")))
     engine = RolloutEngine(args, rank=0, backend="cpu")
     engine.start(timeout=180)
     yield engine

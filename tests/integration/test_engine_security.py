@@ -12,13 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
 from support.engines import router_args, router_for
+from support.flags import slime_flags
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
 from slime.backends.sglang_utils.http_client import EngineClient
@@ -112,10 +112,10 @@ def test_public_host_without_a_key_is_refused(tiny_model_dir):
     )
     assert result.returncode != 0
     assert "0.0.0.0" in result.stderr and "--api-key" in result.stderr and "weight" in result.stderr
-    args = Namespace(hf_checkpoint=str(tiny_model_dir))
+    args = slime_flags(hf_checkpoint=str(tiny_model_dir))
     with pytest.raises(ValueError, match="--sglang-api-key"):
         RolloutEngine(args, rank=0, backend="cpu", host="0.0.0.0")
-    keyed = Namespace(hf_checkpoint=str(tiny_model_dir), sglang_server_args={"api_key": KEY})
+    keyed = slime_flags(hf_checkpoint=str(tiny_model_dir), sglang_server_args={"api_key": KEY})
     assert RolloutEngine(keyed, rank=0, backend="cpu", host="0.0.0.0", port=30000).url() == "http://0.0.0.0:30000"
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.scripts import run_script
 
 from slime.backends.megatron_utils.config import SUPPORTED_FAMILIES, config_from_hf, parse_layer_freq, resolve_family
 from slime.backends.megatron_utils.weight_mapping import (
@@ -345,6 +346,11 @@ def test_pipeline_stages_load_and_export_their_own_layers(tiny_model_dir):
 
 
 def run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
+    """The tool as `python tools/SCRIPT ARGS`, forked from the preloaded fork server (support.scripts)."""
+    return run_script(f"tools/{script}", *args)
+
+
+def run_tool_in_a_fresh_interpreter(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, str(REPO / "tools" / script), *args], cwd=REPO, env=env, capture_output=True, text=True,
@@ -408,7 +414,8 @@ def test_convert_to_hf_takes_the_training_command_line(tmp_path):
 
 
 def test_tool_rejects_an_unknown_family(tmp_path, tiny_model_dir):
-    result = run_tool(
+    # One run exactly as a user types it: a fresh interpreter, the repository on PYTHONPATH.
+    result = run_tool_in_a_fresh_interpreter(
         "convert_hf_to_torch_dist.py", "--hf-checkpoint", str(tiny_model_dir), "--save", str(tmp_path / "x"),
         "--model-name", "gpt-oss",
     )  # fmt: skip

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from support.engines import router_args, router_options
+from support.flags import slime_flags
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
 from slime.backends.sglang_utils.router import (
@@ -35,7 +36,7 @@ def router(log_dir):
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir, log_dir):
-    args = Namespace(hf_checkpoint=str(tiny_model_dir), server_log_dir=str(log_dir))
+    args = slime_flags(hf_checkpoint=str(tiny_model_dir), server_log_dir=str(log_dir))
     engines = [RolloutEngine(args, rank=rank, backend="cpu") for rank in range(2)]
     try:
         with ThreadPoolExecutor(len(engines)) as pool:
@@ -140,7 +141,7 @@ def test_stop_leaves_no_router_process(log_dir):
 
 def test_engine_on_bogus_model_path_fails_with_path_and_log_tail(log_dir):
     bogus = "/nonexistent/bogus-model-dir"
-    engine = RolloutEngine(Namespace(server_log_dir=str(log_dir)), rank=7, backend="cpu", model_path=bogus)
+    engine = RolloutEngine(slime_flags(server_log_dir=str(log_dir)), rank=7, backend="cpu", model_path=bogus)
     with pytest.raises(RuntimeError) as error:
         engine.start(timeout=120)
     message = str(error.value)
@@ -152,7 +153,7 @@ def test_engine_on_bogus_model_path_fails_with_path_and_log_tail(log_dir):
 
 def test_engine_startup_timeout_kills_the_server(tiny_model_dir, log_dir):
     engine = RolloutEngine(
-        Namespace(server_log_dir=str(log_dir)), rank=8, backend="cpu", model_path=str(tiny_model_dir)
+        slime_flags(server_log_dir=str(log_dir)), rank=8, backend="cpu", model_path=str(tiny_model_dir)
     )
     with pytest.raises(TimeoutError, match="not healthy after 0.2s"):
         engine.start(timeout=0.2)

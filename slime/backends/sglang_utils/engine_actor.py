@@ -81,8 +81,7 @@ class RolloutEngine(EngineClient):
         self.backend = backend
         self.host = host
         self.port = port or find_free_port(host)
-        # `args` may be a namespace with only the engine's fields (an engine launched on its own, outside a run).
-        self.model_path = model_path or getattr(args, "hf_checkpoint", None)
+        self.model_path = model_path or args.hf_checkpoint
         if not self.model_path:
             raise ValueError("no model to serve: pass --hf-checkpoint (or model_path=) to the rollout engine")
         self.base_gpu_id = base_gpu_id

@@ -136,7 +136,7 @@ def build_sglang_server_args(
     Raises:
         ValueError: A `--sglang-*` flag tries to set a field slime manages.
     """
-    user_options = _normalized_options(getattr(args, "sglang_server_args", None) or {})
+    user_options = _normalized_options(args.sglang_server_args or {})
     managed = sorted(set(user_options) & set(SGLANG_MANAGED_FIELDS))
     if managed:
         hints = "; ".join(f"--sglang-{f.replace('_', '-')}: use {SGLANG_MANAGED_FIELDS[f]}" for f in managed)
@@ -152,8 +152,8 @@ def build_sglang_server_args(
         "dist_init_addr": dist_init_addr,
         "nnodes": nnodes,
         "node_rank": node_rank,
-        "enable_memory_saver": bool(getattr(args, "offload_rollout", False)),
-        "enable_return_routed_experts": bool(getattr(args, "use_rollout_routing_replay", False)),
+        "enable_memory_saver": bool(args.offload_rollout),
+        "enable_return_routed_experts": bool(args.use_rollout_routing_replay),
     }
     parser = sglang_cli_parser()
     return options_to_cli_args(slime_options) + options_to_cli_args(drop_parser_defaults(user_options, parser), parser)
@@ -163,9 +163,8 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     """Arguments for `python -m slime.backends.cpu_engine` for one engine.
 
     Args:
-        args: slime's parsed arguments; reads `cpu_engine_max_running_requests` (default 32),
-            `cpu_engine_max_queued_requests` (default: the engine's own) and `cpu_engine_num_threads`
-            (torch threads of the engine process, default 1). Of the `--sglang-*` flags only
+        args: slime's parsed arguments; reads `cpu_engine_max_running_requests`, `cpu_engine_max_queued_requests`
+            and `cpu_engine_num_threads` (torch threads of the engine process). Of the `--sglang-*` flags only
             `--sglang-api-key` means something to the CPU engine (as `--api-key`); the others are
             ignored with a warning.
         model_path: HF checkpoint directory the engine loads.
@@ -175,9 +174,7 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     Returns:
         The argument list (without the `python -m slime.backends.cpu_engine` prefix).
     """
-    ignored = _normalized_options(
-        drop_parser_defaults(getattr(args, "sglang_server_args", None) or {}, sglang_cli_parser())
-    )
+    ignored = _normalized_options(drop_parser_defaults(args.sglang_server_args or {}, sglang_cli_parser()))
     api_key = ignored.pop("api_key", None)
     if ignored:
         logger.warning("the CPU engine ignores these --sglang-* flags: %s", ", ".join(sorted(ignored)))
@@ -186,8 +183,8 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
             "model_path": model_path,
             "host": host,
             "port": port,
-            "max_running_requests": getattr(args, "cpu_engine_max_running_requests", 32),
-            "max_queued_requests": getattr(args, "cpu_engine_max_queued_requests", None),
+            "max_running_requests": args.cpu_engine_max_running_requests,
+            "max_queued_requests": args.cpu_engine_max_queued_requests,
             "num_threads": cpu_engine_num_threads(args),
             "api_key": api_key,
         }
@@ -195,8 +192,8 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
 
 
 def cpu_engine_num_threads(args: argparse.Namespace) -> int:
-    """Torch/OpenMP threads for one CPU engine process (`args.cpu_engine_num_threads`, default 1)."""
-    return int(getattr(args, "cpu_engine_num_threads", 1))
+    """Torch/OpenMP threads for one CPU engine process (`--cpu-engine-num-threads`)."""
+    return int(args.cpu_engine_num_threads)
 
 
 def _normalized_options(options: dict[str, Any]) -> dict[str, Any]:

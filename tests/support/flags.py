@@ -1,0 +1,20 @@
+"""slime's flags at their parsed defaults, for tests that hand a component (an engine command line, an engine actor)
+the args it reads without a whole command line."""
+
+from __future__ import annotations
+
+import functools
+from argparse import Namespace
+
+
+@functools.cache
+def _defaults() -> dict:
+    from slime.utils.arguments import build_parser
+
+    return vars(build_parser("fsdp").parse_args([])) | {"sglang_server_args": {}, "router_args": {}}
+
+
+def slime_flags(**changed) -> Namespace:
+    """A namespace with every slime flag at the default `parse_args` gives it (no `--sglang-*` / `--router-*` flags
+    given), and `changed` on top."""
+    return Namespace(**(_defaults() | changed))
