@@ -201,7 +201,9 @@ class TrajectoryProxy:
             ValueError: `engine_urls` is empty.
         """
         if not engine_urls:
-            raise ValueError("no engine URLs to open a session on (the run context gives them; outside a run, args.rollout_engine_urls)")
+            raise ValueError(
+                "no engine URLs to open a session on (a run context gives them; outside a run, args.rollout_engine_urls)"
+            )
         engine_url = min(engine_urls, key=lambda url: self._open_per_engine.get(url, 0)).rstrip("/")
         session = Session(uuid.uuid4().hex, engine_url, dict(sampling_params or {}), max_turns, context_limit)
         self._sessions[session.session_id] = session
