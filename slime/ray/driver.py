@@ -150,10 +150,15 @@ def update_weights(run: TrainingRun) -> dict[str, float]:
     """
     manager = run.rollout_manager
     restarted = ray.get(manager.engines_awaiting_weights.remote()) if run.args.use_fault_tolerance else []
-    if restarted:
-        engines, engine_urls = ray.get([manager.get_engines.remote(), manager.get_engine_urls.remote()])
-        run.actor.connect_rollout_engines(engines, engine_urls)
-    run.actor.update_weights()
+    try:
+        _push_weights(run, reconnect=bool(restarted))
+    except Exception:
+        # An engine that died after the rollout's last request or during the push: restarted (with
+        # --use-fault-tolerance; the push is then made again, to every engine) or named, with the flag.
+        restarted = ray.get(manager.replace_dead_engines.remote("updating the engines' weights"))
+        if not restarted:
+            raise
+        _push_weights(run, reconnect=True)
     run.weight_version += 1
     ray.get(manager.set_trainer_weight_version.remote(run.weight_version))
     if not restarted:
@@ -161,6 +166,14 @@ def update_weights(run: TrainingRun) -> dict[str, float]:
     gap = run.actor.check_weights_equal()
     ray.get(manager.readmit_engines.remote(restarted))
     return {"rollout/restarted_engine_weight_gap": gap}
+
+
+def _push_weights(run: TrainingRun, reconnect: bool) -> None:
+    if reconnect:  # restarted engines have new URLs and are in no weight-update link yet
+        manager = run.rollout_manager
+        engines, engine_urls = ray.get([manager.get_engines.remote(), manager.get_engine_urls.remote()])
+        run.actor.connect_rollout_engines(engines, engine_urls)
+    run.actor.update_weights()
 
 
 def save_checkpoint(run: TrainingRun, rollout_id: int) -> None:

@@ -30,6 +30,8 @@ class EngineHealthMonitor:
         interval: Seconds between rounds.
         timeout: Seconds one probe may take.
         first_wait: Seconds before the first round.
+        before_round: Called at the start of each round, in the probing thread (the router's check: engines are
+            probed directly, a dead router would go unnoticed).
     """
 
     def __init__(
@@ -39,9 +41,11 @@ class EngineHealthMonitor:
         interval: float,
         timeout: float,
         first_wait: float = 0.0,
+        before_round: Callable[[], None] = lambda: None,
     ):
         self.engine_clients = engine_clients
         self.on_failure = on_failure
+        self.before_round = before_round
         self.interval = interval
         self.timeout = timeout
         self.first_wait = first_wait
@@ -78,6 +82,10 @@ class EngineHealthMonitor:
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def _probe_all(self) -> None:
+        try:
+            self.before_round()
+        except Exception:
+            logger.exception("the health monitor's router check failed")
         for index, client in enumerate(self.engine_clients()):
             if self._stop.is_set() or self._paused.is_set():
                 return

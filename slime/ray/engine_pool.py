@@ -8,6 +8,7 @@ it started. The RolloutManager owns one and delegates its engine work to it.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import contextlib
 import logging
@@ -62,6 +63,8 @@ class EnginePool:
         self._awaiting_weights: set[int] = set()
         self._restarted_at: dict[int, float] = {}
         self._recovery_changed = threading.Condition()
+        self._router_lock = threading.Lock()
+        self.num_router_restarts = 0
         self._started: concurrent.futures.Future | None = None
 
     # ---- start ---------------------------------------------------------------------------
@@ -115,6 +118,7 @@ class EnginePool:
                 interval=args.rollout_health_check_interval,
                 timeout=args.rollout_health_check_timeout,
                 first_wait=args.rollout_health_check_first_wait,
+                before_round=self.restart_router_if_dead,
             )
             self.monitor.start()
 
@@ -141,8 +145,12 @@ class EnginePool:
         return EngineClient(url, api_key=engine_api_key(self.args))
 
     # ---- health --------------------------------------------------------------------------
-    def dead_engines(self) -> list[int]:
-        """Indices of engines whose server process has exited or no longer answers GET /health."""
+    def dead_engines(self, released: bool = False) -> list[int]:
+        """Indices of engines whose server process has exited or no longer answers GET /health.
+
+        `released`: the engines' memory is released (colocated, between offload and onload), when an engine answers
+        /health with 503 by design: only a connection that fails counts then.
+        """
         dead = []
         for index, engine in enumerate(self.engines):
             try:
@@ -152,16 +160,50 @@ class EnginePool:
                 alive = False
             # The process check alone can lag a SIGKILL (or watch a launcher whose server child died); an
             # engine that cannot answer /health would fail the next weight push, so it counts as dead too.
-            if not alive or not self._client(self.engine_urls[index]).health(timeout=10):
+            client = self._client(self.engine_urls[index])
+            if not alive or not (client.answers(timeout=10) if released else client.health(timeout=10)):
                 dead.append(index)
         return dead
+
+    def replace_dead_engines(self, what: str, released: bool = False) -> list[int]:
+        """After `what` failed: which engines died? With `--use-fault-tolerance` restart them now (on this thread) and
+        return the indices of every engine awaiting the current weights; without, raise naming them.
+
+        Returns [] when no engine died or awaits weights: the failure was something else, for the caller to re-raise.
+
+        Raises:
+            RuntimeError: Without `--use-fault-tolerance`, an engine died (one line: the engines, their URLs, the
+                flag); or the router died.
+        """
+        if self.router is not None and not router_is_healthy(self.router):
+            if self.monitor is None:
+                raise RuntimeError(
+                    f"{what}: {self.router.describe_failure()}; pass --use-fault-tolerance to restart it, or resume "
+                    "from the last checkpoint with --load"
+                )
+            self.restart_router_if_dead()
+        dead = self.dead_engines(released=released)
+        if not dead:
+            # The health monitor may have restarted the engine that failed the step already.
+            return self.engines_awaiting_weights() if self.monitor is not None else []
+        names = ", ".join(f"engine {i} ({self.engine_urls[i]})" for i in dead)
+        if self.monitor is None:
+            raise RuntimeError(
+                f"{what}: inference {names} died; pass --use-fault-tolerance to restart dead engines and go on. "
+                "Check the engine logs (in $TMPDIR/slime_logs) and resume from the last checkpoint with --load"
+            )
+        logger.warning("%s: inference %s died; restarting", what, names)
+        for index in dead:
+            self._recover(index, f"dead during {what}")
+        return self.engines_awaiting_weights()
 
     def serving_problem(self, rollout_id: int) -> str | None:
         """What stops the engines from serving: a dead router or dead engines (None when all is well)."""
         if self.router is not None and not router_is_healthy(self.router):
-            return (
-                f"rollout {rollout_id}: {self.router.describe_failure()}; resume from the last checkpoint with --load"
+            fix = (
+                "it could not be restarted" if self.monitor is not None else "pass --use-fault-tolerance to restart it"
             )
+            return f"rollout {rollout_id}: {self.router.describe_failure()}; {fix}, or resume from the last checkpoint with --load"
         dead = self.dead_engines() if self.engines else []
         if not dead:
             return None
@@ -197,6 +239,7 @@ class EnginePool:
         metrics: dict[str, float] = {}
         if self.monitor is not None:
             metrics["rollout/engine_restarts"] = self.num_restarts
+            metrics["rollout/router_restarts"] = self.num_router_restarts
         if self.engines and not self.args.rollout_external_engine_addrs:  # not measurable from here for external ones
             metrics["perf/engine_peak_memory_gb"] = max(ray.get([e.peak_memory_gb.remote() for e in self.engines]))
         return metrics
@@ -240,6 +283,30 @@ class EnginePool:
                 self._recovering.discard(index)
                 self._recovery_changed.notify_all()
 
+    def restart_router_if_dead(self) -> None:
+        """`--use-fault-tolerance`: a router slime launched that died is launched again on its address, and the
+        engines that serve (not those awaiting weights) are registered with it again, with their API key. Requests
+        in flight meanwhile are retried by the rollouts (`engine_failover_window`)."""
+        router = self.router
+        if router is None or router.process is None or router_is_healthy(router):
+            return
+        with self._router_lock:
+            if self.router is not router:  # restarted by another thread meanwhile
+                return
+            logger.warning("%s: restarting it", router.describe_failure())
+            address = urlparse(router.url)
+            on_its_address = argparse.Namespace(
+                **{**vars(self.args), "sglang_router_ip": address.hostname, "sglang_router_port": address.port}
+            )
+            self.router = start_router(on_its_address)
+            with self._recovery_changed:
+                serving = [url for i, url in enumerate(self.engine_urls) if i not in self._awaiting_weights]
+            for url in serving:
+                add_worker(self.router.url, url, api_key=engine_api_key(self.args))
+            wait_for_workers(self.router.url, serving, timeout=self.args.rollout_engine_start_timeout)
+            self.num_router_restarts += 1
+            logger.warning("router restarted at %s with engines %s", self.router.url, serving)
+
     def engines_awaiting_weights(self, timeout: float | None = None) -> list[int]:
         """Indices of restarted engines that need the current weights, once running restarts are done.
 
@@ -265,18 +332,40 @@ class EnginePool:
     # ---- memory and shutdown -------------------------------------------------------------
     def offload(self) -> dict[str, float]:
         """Release the engines' memory for a colocated trainer; returns `perf/engine_weight_memory_offloaded_gb`
-        (what the engines report holding afterwards, summed) where they report it."""
+        (what the engines report holding afterwards, summed) where they report it.
+
+        An engine that dies meanwhile is restarted (`--use-fault-tolerance`) and released like the others, or named
+        in the error."""
         if self.monitor is not None:
             self.monitor.pause()  # released engines answer health checks with 503 by design
-        ray.get([engine.release_memory_occupation.remote() for engine in self.engines])
+        self._on_every_engine("release_memory_occupation", "offloading the engines", released=True)
         return self._weight_memory("perf/engine_weight_memory_offloaded_gb")
 
     def onload(self) -> dict[str, float]:
-        """Give the engines their memory back; returns `perf/engine_weight_memory_onloaded_gb` likewise."""
-        ray.get([engine.resume_memory_occupation.remote() for engine in self.engines])
+        """Give the engines their memory back; returns `perf/engine_weight_memory_onloaded_gb` likewise (an engine
+        restarted meanwhile starts with its memory)."""
+        self._on_every_engine("resume_memory_occupation", "onloading the engines", released=True, on_restarted=False)
         if self.monitor is not None:
             self.monitor.resume()
         return self._weight_memory("perf/engine_weight_memory_onloaded_gb")
+
+    def _on_every_engine(self, method: str, what: str, released: bool, on_restarted: bool = True) -> None:
+        """Call `method` on every engine; engines that die meanwhile are replaced (see `replace_dead_engines`) and,
+        with `on_restarted`, the call made on the replacements too."""
+        refs = [getattr(engine, method).remote() for engine in self.engines]
+        failed = []
+        for index, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except Exception as error:
+                failed.append((index, error))
+        if not failed:
+            return
+        restarted = self.replace_dead_engines(what, released=released)
+        if not restarted:
+            raise failed[0][1]
+        if on_restarted:
+            ray.get([getattr(self.engines[index], method).remote() for index in restarted])
 
     def _weight_memory(self, key: str) -> dict[str, float]:
         reported = ray.get([engine.weight_memory_gb.remote() for engine in self.engines])

@@ -305,6 +305,11 @@ class RolloutManager:
         """Indices of engines whose server process has exited or no longer answers GET /health."""
         return self.engine_pool.dead_engines()
 
+    def replace_dead_engines(self, what: str) -> list[int]:
+        """After the driver's step `what` failed: restart dead engines (`--use-fault-tolerance`) or raise naming them;
+        returns the engines awaiting the current weights, [] when none died (see EnginePool)."""
+        return self.engine_pool.replace_dead_engines(what)
+
     def engines_awaiting_weights(self, timeout: float | None = None) -> list[int]:
         """Indices of engines restarted by `--use-fault-tolerance` that need the current weights (see EnginePool)."""
         return self.engine_pool.engines_awaiting_weights(timeout)

@@ -60,18 +60,21 @@ def test_killed_engine_is_replaced_and_the_run_completes(tiny_model_dir, prompt_
 
 @pytest.mark.slow
 @pytest.mark.reliability(
-    "SIGKILL of one of two engines in the middle of rollout 1, without --use-fault-tolerance",
-    "the run stops; the last line of its output names the dead engine and --use-fault-tolerance",
+    "SIGKILL of one of two engines after rollout 1 was generated, before the weight push, without "
+    "--use-fault-tolerance",
+    "the run stops; the last line of its output names the dead engine and --use-fault-tolerance (not a bare "
+    "ConnectionError of /pause_generation)",
 )
 def test_killed_engine_without_fault_tolerance_stops_naming_it(tiny_model_dir, prompt_file, tmp_path):
     result = run_train(
         tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "3", "--rollout-num-gpus", "2",
-        "--custom-generate-function-path", "support.fault_injection.kill_second_engine_in_rollout_1",
+        "--rollout-data-postprocess-path", "support.fault_injection.kill_an_engine_before_the_push_of_rollout_1",
     )  # fmt: skip
     assert result.returncode != 0
     line = last_line(result)
-    assert line.startswith("slime: RuntimeError: rollout 1: inference engine 1 (http://127.0.0.1:"), line
-    assert "--use-fault-tolerance" in line and "--load" in line
+    assert line.startswith("slime: RuntimeError: updating the engines' weights: inference engine "), line
+    assert "(http://127.0.0.1:" in line and "--use-fault-tolerance" in line and "--load" in line
+    assert [row["rollout_id"] for row in rollout_rows(tmp_path)] == [0]
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """Two CPU engines behind the real sglang-router on a local Ray cluster, driven by the RolloutManager."""
 
 import json
+import os
+import signal
 import time
 from argparse import Namespace
 
@@ -207,16 +209,56 @@ def test_engines_that_abort_everything_stop_the_rollout(manager):
     assert len(buffer) >= 9
 
 
-def test_killed_engine_is_reported_by_url(manager):
-    """Last in the module: it kills one engine."""
+@pytest.mark.reliability(
+    "an engine dead at a step of the driver (generation, eval, weight push, offload, onload) without "
+    "--use-fault-tolerance",
+    "the step fails with one line naming the engine, its URL and --use-fault-tolerance",
+)
+def test_killed_engine_is_reported_by_url_at_every_step(manager):
+    """Last but one in the module: it kills one engine."""
     engines = ray.get(manager.get_engines.remote())
     urls = ray.get(manager.get_engine_urls.remote())
     ray.get(engines[0].shutdown.remote())
     ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "rollout_batch_size", 4)))
-    with pytest.raises(ray.exceptions.RayTaskError) as excinfo:
-        ray.get(manager.generate.remote(6, 1))
-    message = str(excinfo.value)
-    assert "died" in message and urls[0] in message
+    named = f"inference engine 0 ({urls[0]}) died; pass --use-fault-tolerance"
+    for step in (lambda: manager.generate.remote(6, 1), lambda: manager.eval.remote(6)):
+        with pytest.raises(ray.exceptions.RayTaskError) as excinfo:
+            ray.get(step())
+        assert named in str(excinfo.value)
+    # What the driver asks after a weight push failed, and the engines' memory release and resume.
+    for step in (
+        lambda: manager.replace_dead_engines.remote("updating the engines' weights"),
+        lambda: manager.offload.remote(),
+        lambda: manager.onload.remote(),
+    ):
+        with pytest.raises(ray.exceptions.RayTaskError) as excinfo:
+            ray.get(step())
+        message = str(excinfo.value.cause)
+        assert named in message and len(message.splitlines()) == 1, message
+
+
+@pytest.mark.reliability(
+    "SIGKILL of the sglang-router process, without --use-fault-tolerance",
+    "the rollout fails with 'the router at <url> died (exit code -9; log: <file>)', --use-fault-tolerance and "
+    "--load to go on",
+)
+def test_dead_router_is_named(manager):
+    """Last in the module: it kills the router."""
+    router_pid, router_url, log = ray.get(
+        manager.__ray_call__.remote(
+            lambda self: (
+                self.engine_pool.router.process.pid,
+                self.engine_pool.router.url,
+                self.engine_pool.router.log_path,
+            )
+        )
+    )
+    os.kill(router_pid, signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        ray.get(manager.generate.remote(7, 1))
+    message = str(raised.value.cause)
+    assert f"the router at {router_url} died (exit code -9; log: {log})" in message
+    assert "--use-fault-tolerance" in message and "--load" in message
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,19 @@ async def kill_second_engine_in_rollout_1(args, sample, sampling_params):
     return await generate(args, sample, sampling_params)
 
 
+def kill_an_engine_before_the_push_of_rollout_1(args, rollout_id, data):
+    """--rollout-data-postprocess-path hook (training rank 0): after rollout 1 was generated, before the weight push
+    that follows its training, SIGKILL one CPU engine server of this run (found by its --model-path)."""
+    if rollout_id != 1 or int(os.environ.get("RANK", "0")) != 0:
+        return
+    servers = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "slime.backends.cpu_engine" in cmdline and args.hf_checkpoint in cmdline:
+            servers.append(process.info["pid"])
+    _kill_and_wait(max(servers))
+
+
 def exit_trainer_once_in_rollout_1(args, rollout_id, data):
     """--rollout-data-postprocess-path hook: the training process dies on rollout 1, once per --save folder."""
     marker = Path(args.save) / "trainer_killed_once"

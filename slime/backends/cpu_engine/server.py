@@ -347,6 +347,8 @@ def _control(handler: Callable[[web.Request], Awaitable[str | dict]]):
         except Exception as error:
             logger.exception("%s failed", request.path)
             return web.json_response({"success": False, "message": f"{request.path} failed: {error!r}"}, status=500)
+        # One line per control call: what an operator reads to see the pushes, pauses and offloads an engine took.
+        logger.info("%s: %s", request.path, result if isinstance(result, str) else "done")
         body = {"success": True, "message": result} if isinstance(result, str) else {"success": True, **result}
         return web.json_response(body)
 

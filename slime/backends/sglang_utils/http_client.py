@@ -56,6 +56,16 @@ class EngineClient:
         """True when GET /health answers 200 (the server is up)."""
         return self._is_ok("health", timeout)
 
+    def answers(self, timeout: float = 5.0) -> bool:
+        """True when GET /health gets any HTTP answer (a 503 of an engine whose memory is released included)."""
+        try:
+            get_json(f"{self.base_url}/health", timeout=timeout, max_retries=0, headers=self._headers)
+        except HTTPRequestError:
+            return True
+        except (ConnectionError, TimeoutError):
+            return False
+        return True
+
     def health_generate(self, timeout: float = 60.0) -> bool:
         """True when GET /health_generate answers 200 (the server can run a one-token generation)."""
         return self._is_ok("health_generate", timeout)

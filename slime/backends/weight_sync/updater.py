@@ -113,12 +113,40 @@ class WeightUpdater:
             if error is not None:
                 raise error
         else:
-            with self._engines_paused() if self.rank == 0 else contextlib.nullcontext():
-                dist.barrier()
-                self.transport.push(buckets, version)
-                dist.barrier()
+            self._stream(iter(buckets), version)
         self.version += 1
         return self.version
+
+    def _stream(self, buckets: Iterator[Bucket], version: str) -> None:
+        """Rank 0 pauses the engines, every rank sends (or only produces) the buckets, rank 0 resumes them.
+
+        A failure on rank 0 (an engine that died before or during the push) is raised only after every rank has
+        produced the rest of the buckets and met the closing barrier: the buckets are collectives of all ranks, so a
+        rank that stopped early would leave the others blocked in one.
+        """
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                call_engines(self.engines, "pause_generation")
+                call_engines(self.engines, "flush_cache")
+            except Exception as e:  # noqa: BLE001 - raised after the closing barrier
+                error = e
+        dist.barrier()
+        try:
+            if error is None:
+                self.transport.push(buckets, version)
+        except Exception as e:  # noqa: BLE001 - raised after the closing barrier
+            error = e
+        for _ in buckets:  # what a failed push left unproduced
+            pass
+        dist.barrier()
+        if self.rank == 0:
+            if error is None:
+                call_engines(self.engines, "continue_generation")
+            else:
+                resume_quietly(self.engines)
+        if error is not None:
+            raise error
 
     @contextlib.contextmanager
     def _engines_paused(self) -> Iterator[None]:
