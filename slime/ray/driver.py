@@ -15,6 +15,7 @@ from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import create_rollout_manager
 from slime.utils import run_dir
 from slime.utils.arguments import parse_args
+from slime.utils.job_reaper import start_job_reaper
 from slime.utils.run_context import RunContext, expose_to_plugins
 from slime.utils.tracking import Tracker, configure_logging
 
@@ -193,8 +194,10 @@ def run_driver(train_fn: Callable[[Any], None], argv: list[str] | None = None) -
 
     The traceback (including the remote one Ray carries) is printed first; the last line is the
     message of the exception that started it, so a user sees what failed without reading Ray's frames.
+    A job reaper (slime.utils.job_reaper) stops every process of the job still running once the driver exited.
     """
     args = parse_args(argv)
+    start_job_reaper()  # whatever ends this process, the job's processes end with it
     try:
         train_fn(args)
     except Exception as error:

@@ -21,6 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.backends.sglang_utils.engine_actor import is_loopback_host
+from slime.utils import job_reaper
 from slime.utils.engine_args import engine_api_key
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,17 @@ def init_ray(num_cpus: int | None = None, **init_kwargs) -> None:
         if is_loopback_host(urlparse(address if "://" in address else f"//{address}").hostname or ""):
             bind_ray_to_loopback()  # else Ray rewrites the loopback address and waits for a GCS that is not there
         runtime_env = None
-        if os.environ.get("PYTHONPATH") and RAY_JOB_CONFIG_JSON_ENV_VAR not in os.environ:
-            # The workers of a running cluster do not see this shell's PYTHONPATH, where user plugins are found;
-            # under `ray job submit` the job's runtime env sets it (and a second value would conflict with it).
-            runtime_env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
+        if RAY_JOB_CONFIG_JSON_ENV_VAR not in os.environ:
+            # The workers of a running cluster do not see this shell's environment: PYTHONPATH, where user plugins
+            # are found, and the job reaper's pid file, where they register (under `ray job submit` the job's
+            # runtime env is the one that applies, and Ray ends the job's workers itself).
+            env_vars = {
+                name: os.environ[name] for name in ("PYTHONPATH", job_reaper.PIDS_FILE_ENV) if os.environ.get(name)
+            }
+            if env_vars:
+                runtime_env = {"env_vars": env_vars}
+            if job_reaper.PIDS_FILE_ENV in env_vars:
+                runtime_env["worker_process_setup_hook"] = "slime.utils.job_reaper.register_this_process"
         ray.init(address=address, runtime_env=runtime_env)
         return
     if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":

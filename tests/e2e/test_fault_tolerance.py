@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from support.runs import rollout_rows, run_driver_script, small_run_flags, write_addition_prompts
@@ -26,6 +29,14 @@ def rollout_samples(save_dir: Path, rollout_id: int) -> list[Sample]:
     return [Sample.from_dict(d) for d in saved["samples"]]
 
 
+def still_alive(pid: int, created: float) -> bool:
+    try:
+        process = psutil.Process(pid)
+        return process.create_time() == created and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def last_line(result: subprocess.CompletedProcess) -> str:
     return result.stderr.strip().splitlines()[-1]
 
@@ -41,8 +52,16 @@ def test_killed_engine_is_replaced_and_the_run_completes(tiny_model_dir, prompt_
         tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "3", "--rollout-num-gpus", "2",
         "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "20",
         "--custom-generate-function-path", "support.fault_injection.kill_second_engine_in_rollout_1",
+        "--rollout-data-postprocess-path", "support.fault_injection.leave_a_stubborn_process",
     )  # fmt: skip
     assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    # A process of the job that ignores SIGTERM (started by the trainer, a worker of the running cluster the driver
+    # joined) is stopped by the job reaper once the driver has exited.
+    pid, created = json.loads((tmp_path / "stubborn.json").read_text())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and still_alive(pid, created):
+        time.sleep(0.2)
+    assert not still_alive(pid, created), "a process of the job outlived it"
     history = rollout_rows(tmp_path)
     assert [row["rollout_id"] for row in history] == [0, 1, 2]
     assert [row["rollout/engine_restarts"] for row in history] == [0, 1, 1]

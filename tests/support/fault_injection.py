@@ -6,6 +6,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -67,6 +69,24 @@ def exit_trainer_once_in_rollout_1(args, rollout_id, data):
         os._exit(1)
 
 
+def _start_a_stubborn_process() -> psutil.Process:
+    """A process that ignores SIGTERM, in a session of its own (a group signal misses it): what a user's reward code
+    or tool might leave behind, or a worker hung in its exit."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    return psutil.Process(process.pid)
+
+
+def leave_a_stubborn_process(args, rollout_id, data):
+    """--rollout-data-postprocess-path hook: in rollout 0, training rank 0 starts `_start_a_stubborn_process` and
+    writes [pid, create time] to `{--save}/stubborn.json`; only the job reaper stops it."""
+    if rollout_id == 0 and int(os.environ.get("RANK", "0")) == 0:
+        process = _start_a_stubborn_process()
+        (Path(args.save) / "stubborn.json").write_text(json.dumps([process.pid, process.create_time()]))
+
+
 def _driver_process() -> psutil.Process:
     """The train.py / train_async.py process above this one (a local Ray cluster's processes descend from it)."""
     for process in psutil.Process().parents():
@@ -85,6 +105,8 @@ def kill_driver_once_in_rollout_2(args, rollout_id, data):
     if rollout_id != 2 or record.exists():
         return
     driver = _driver_process()
+    _start_a_stubborn_process()  # a descendant of the driver too: it must go with the job
+    time.sleep(1.0)  # the job reaper notes the job's processes every 0.5 s
     job = []
     for process in [driver, *driver.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess):  # one that ends meanwhile is no longer part of the job
