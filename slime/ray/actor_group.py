@@ -69,6 +69,11 @@ def data_parallel_ranks(args, world_size: int) -> list[int]:
     return [data_parallel_rank(rank, world_size, tp, pp, cp) for rank in range(world_size)]
 
 
+class JobProcessDied(RuntimeError):
+    """A trainer rank (or the rollout manager) died: the run cannot go on with the processes it has; with
+    `--use-fault-tolerance` the driver restarts the job from its last checkpoint."""
+
+
 def _answers(actor) -> bool:
     """False only when the actor is dead (a live rank still busy in a collective counts as alive)."""
     try:
@@ -140,7 +145,7 @@ class RayTrainGroup:
                 raise
             ranks = ("rank " if len(dead) == 1 else "ranks ") + ", ".join(map(str, dead))
             resume = f"--load {self.args.save}" if self.args.save else "--load <your --save folder>"
-            raise RuntimeError(
+            raise JobProcessDied(
                 f"training {ranks} of the {self.role} ({len(self.actors)} ranks) died during {what}; its log is in "
                 f"Ray's session logs (/tmp/ray/session_latest/logs). Resume from the last checkpoint with {resume}"
             ) from e

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 import sys
 import traceback
 from collections.abc import Callable
@@ -10,7 +13,7 @@ from typing import Any
 
 import ray
 
-from slime.ray.actor_group import RayTrainGroup
+from slime.ray.actor_group import JobProcessDied, RayTrainGroup
 from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import create_rollout_manager
 from slime.utils import run_dir
@@ -24,6 +27,8 @@ _BUILTIN_DATA_SOURCES = (
     "slime.rollout.data_source.RolloutDataSource",
     "slime.rollout.data_source.RolloutDataSourceWithBuffer",
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,7 +117,8 @@ def create_training_run(args) -> TrainingRun:
     elif args.load:
         ray.get(rollout_manager.load.remote(resume_step))
 
-    return TrainingRun(
+    global _current_run
+    _current_run = TrainingRun(
         args=args,
         rollout_manager=rollout_manager,
         actor=actor,
@@ -123,6 +129,7 @@ def create_training_run(args) -> TrainingRun:
         num_rollout_per_epoch=num_rollout_per_epoch,
         weight_version=weight_version,
     )
+    return _current_run
 
 
 def train_one_rollout(run: TrainingRun, rollout_id: int, data_refs: list) -> dict[str, float]:
@@ -195,25 +202,66 @@ def run_driver(train_fn: Callable[[Any], None], argv: list[str] | None = None) -
     The traceback (including the remote one Ray carries) is printed first; the last line is the
     message of the exception that started it, so a user sees what failed without reading Ray's frames.
     A job reaper (slime.utils.job_reaper) stops every process of the job still running once the driver exited.
+
+    With `--use-fault-tolerance` and `--save`, a trainer rank or the rollout manager that dies does not end the run:
+    the job's processes are stopped and the run starts again from the last committed checkpoint (as `--load
+    <--save>` would), at most `--max-restarts` times; the tracker continues the same run.
     """
     args = parse_args(argv)
     start_job_reaper()  # whatever ends this process, the job's processes end with it
-    try:
-        train_fn(args)
-    except Exception as error:
-        cause = error
-        while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
-            cause = cause.cause
-        traceback.print_exc()
-        # Ray relays the actors' stderr asynchronously: stop it first so the summary really is the last line.
-        ray.shutdown()
-        message = (str(cause.args[0]) if cause.args else str(cause)).strip()
-        if isinstance(cause, ray.exceptions.RayActorError) and cause.actor_init_failed and message:
-            # An actor whose __init__ raised: Ray's message is a header, then the traceback, the error last.
-            summary = message.splitlines()[-1].strip()
-        else:
-            summary = message.splitlines()[0] if message else ""
-        sys.exit(f"slime: {type(cause).__name__}: {summary}")
+    attempt_args, restarts = args, 0
+    while True:
+        try:
+            train_fn(attempt_args)
+            return
+        except Exception as error:
+            cause = error
+            while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
+                cause = cause.cause
+            if not _restartable(args, cause, restarts):
+                _exit_naming(cause)
+            restarts += 1
+            logger.warning(
+                "slime: %s: %s; restart %d of --max-restarts %d from the last checkpoint in --save %s",
+                type(cause).__name__, _summary(cause), restarts, args.max_restarts, args.save,
+            )  # fmt: skip
+            _close_failed_attempt()
+            attempt_args = copy.copy(args)
+            attempt_args.load, attempt_args.start_rollout_id = args.save, None
+
+
+def _restartable(args, cause: BaseException, restarts: int) -> bool:
+    """A trainer rank or the rollout manager died, and the flags allow another restart from a checkpoint."""
+    died = isinstance(cause, JobProcessDied | ray.exceptions.RayActorError)
+    return died and args.use_fault_tolerance and bool(args.save) and restarts < args.max_restarts
+
+
+# The run being set up or trained in this process: a restart closes the failed attempt's tracker first.
+_current_run: TrainingRun | None = None
+
+
+def _close_failed_attempt() -> None:
+    global _current_run
+    if _current_run is not None:
+        with contextlib.suppress(Exception):
+            _current_run.tracker.finish()
+        _current_run = None
+    ray.shutdown()  # every actor of the attempt goes with its job
+
+
+def _summary(cause: BaseException) -> str:
+    message = (str(cause.args[0]) if cause.args else str(cause)).strip()
+    if isinstance(cause, ray.exceptions.RayActorError) and cause.actor_init_failed and message:
+        # An actor whose __init__ raised: Ray's message is a header, then the traceback, the error last.
+        return message.splitlines()[-1].strip()
+    return message.splitlines()[0] if message else ""
+
+
+def _exit_naming(cause: BaseException) -> None:
+    traceback.print_exc()
+    # Ray relays the actors' stderr asynchronously: stop it first so the summary really is the last line.
+    ray.shutdown()
+    sys.exit(f"slime: {type(cause).__name__}: {_summary(cause)}")
 
 
 def finish(run: TrainingRun) -> None:

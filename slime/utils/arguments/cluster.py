@@ -166,7 +166,19 @@ def _add_sglang_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("fault tolerance")
-    group.add_argument("--use-fault-tolerance", action="store_true", help="Health-check engines and restart dead ones.")
+    group.add_argument(
+        "--use-fault-tolerance",
+        action="store_true",
+        help="Health-check engines and the router and restart dead ones; restart the job from its last checkpoint "
+        "when a trainer rank or the rollout manager dies (--max-restarts).",
+    )
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="With --use-fault-tolerance and --save: how many times the driver restarts the job from the last "
+        "committed checkpoint after a trainer rank or the rollout manager died (0: never).",
+    )
     group.add_argument("--rollout-health-check-interval", type=float, default=30.0, help="Seconds between checks.")
     group.add_argument("--rollout-health-check-timeout", type=float, default=30.0, help="Seconds before a check fails.")
     group.add_argument(

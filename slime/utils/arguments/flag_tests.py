@@ -184,6 +184,7 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     "use_fault_tolerance": (
         "test_engine_args.py::test_failover_window_covers_one_health_round_with_fault_tolerance_only",
     ),
+    "max_restarts": ("test_fault_tolerance.py::test_dead_trainer_rank_restarts_the_job_from_its_checkpoint",),
     "rollout_health_check_interval": (
         "test_engine_args.py::test_failover_window_covers_one_health_round_with_fault_tolerance_only",
     ),
