@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import ray
 
-from slime.ray.driver import create_training_run, finish, run_driver, save_checkpoint, train_one_rollout, update_weights
+from slime.ray.driver import (
+    create_training_run,
+    finish,
+    log_step,
+    run_driver,
+    save_checkpoint,
+    train_one_rollout,
+    update_weights,
+)
 from slime.ray.progress import get_with_progress
 from slime.utils.misc import should_run_periodic_action
 from slime.utils.perf import PhaseTimer
@@ -53,7 +61,7 @@ def train(args) -> None:
         if should_run_periodic_action(rollout_id, args.eval_interval, run.num_rollout_per_epoch):
             with timer.phase("eval"):
                 metrics |= get_with_progress(manager, manager.eval.remote(rollout_id))
-        run.tracker.log(rollout_id, metrics | timer.metrics())
+        log_step(run, rollout_id, metrics | timer.metrics())
 
     finish(run)
 

@@ -19,7 +19,15 @@ import os
 
 import ray
 
-from slime.ray.driver import create_training_run, finish, run_driver, save_checkpoint, train_one_rollout, update_weights
+from slime.ray.driver import (
+    create_training_run,
+    finish,
+    log_step,
+    run_driver,
+    save_checkpoint,
+    train_one_rollout,
+    update_weights,
+)
 from slime.ray.progress import get_with_progress
 from slime.utils.arguments.validation import cpu_thread_counts
 from slime.utils.misc import should_run_periodic_action
@@ -75,7 +83,7 @@ def train(args) -> None:
                 metrics |= get_with_progress(manager, manager.eval.remote(rollout_id))
         if has_next and in_background:
             next_batch = manager.generate.remote(rollout_id + 1, run.dp_size)
-        run.tracker.log(rollout_id, metrics | timer.metrics())
+        log_step(run, rollout_id, metrics | timer.metrics())
 
     finish(run)
 

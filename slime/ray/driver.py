@@ -44,6 +44,7 @@ class TrainingRun:
     num_rollout: int
     num_rollout_per_epoch: int
     weight_version: int = 0  # the trainer labels its n-th weight push n (version 0: nothing pushed yet)
+    saved_step: int | None = None  # a checkpoint written this step, committed with the step's metrics row
 
     @property
     def dp_size(self) -> int:
@@ -185,15 +186,25 @@ def _push_weights(run: TrainingRun, reconnect: bool) -> None:
 
 
 def save_checkpoint(run: TrainingRun, rollout_id: int) -> None:
-    """Checkpoint `rollout_id` as one unit: actor, critic and data source, then the tracker naming the step.
+    """Write the parts of the checkpoint of `rollout_id`: actor, critic and data source. `log_step` commits it (the
+    tracker file naming the step) once the step's metrics row is logged.
 
-    Killed before the tracker write, the run resumes from the previous step, all of whose parts are there.
+    Killed before the commit, the run resumes from the previous step, all of whose parts are there, and redoes
+    this one, metrics row included; a committed step always has its row.
     """
     run.actor.save_model(rollout_id, update_tracker=False)
     if run.critic is not None:
         run.critic.save_model(rollout_id, update_tracker=False)
     ray.get(run.rollout_manager.save.remote(rollout_id))
-    run_dir.commit_step(run.args.save, rollout_id)
+    run.saved_step = rollout_id
+
+
+def log_step(run: TrainingRun, rollout_id: int, metrics: dict[str, float]) -> None:
+    """Log the step's metrics row, then commit the checkpoint the step saved, if it saved one."""
+    run.tracker.log(rollout_id, metrics)
+    if run.saved_step == rollout_id:
+        run_dir.commit_step(run.args.save, rollout_id)
+        run.saved_step = None
 
 
 def run_driver(train_fn: Callable[[Any], None], argv: list[str] | None = None) -> None:
