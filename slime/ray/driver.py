@@ -8,7 +8,7 @@ import logging
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -45,6 +45,7 @@ class TrainingRun:
     num_rollout_per_epoch: int
     weight_version: int = 0  # the trainer labels its n-th weight push n (version 0: nothing pushed yet)
     saved_step: int | None = None  # a checkpoint written this step, committed with the step's metrics row
+    placement_groups: list = field(default_factory=list)  # removed when a restart replaces the job's processes
 
     @property
     def dp_size(self) -> int:
@@ -129,6 +130,7 @@ def create_training_run(args) -> TrainingRun:
         num_rollout=num_rollout,
         num_rollout_per_epoch=num_rollout_per_epoch,
         weight_version=weight_version,
+        placement_groups=list({id(s.pg): s.pg for s in slices.values() if s.pg is not None}.values()),
     )
     return _current_run
 
@@ -252,12 +254,22 @@ _current_run: TrainingRun | None = None
 
 
 def _close_failed_attempt() -> None:
+    """End the failed attempt's processes and tracker; the Ray cluster stays for the next attempt (engines and
+    the router go with the rollout manager that owns them)."""
     global _current_run
-    if _current_run is not None:
+    run, _current_run = _current_run, None
+    if run is None:  # it failed while being set up: end the whole Ray job instead
+        ray.shutdown()
+        return
+    with contextlib.suppress(Exception):
+        run.tracker.finish()
+    for group in (run.actor, run.critic):
+        if group is not None:
+            group.dispose()
+    ray.kill(run.rollout_manager, no_restart=True)
+    for pg in run.placement_groups:
         with contextlib.suppress(Exception):
-            _current_run.tracker.finish()
-        _current_run = None
-    ray.shutdown()  # every actor of the attempt goes with its job
+            ray.util.remove_placement_group(pg)
 
 
 def _summary(cause: BaseException) -> str:
