@@ -299,12 +299,12 @@ class EnginePool:
                 **{**vars(self.args), "sglang_router_ip": address.hostname, "sglang_router_port": address.port}
             )
             self.router = start_router(on_its_address)
+            self.num_router_restarts += 1  # counted once it serves: requests may get through before the re-adds end
             with self._recovery_changed:
                 serving = [url for i, url in enumerate(self.engine_urls) if i not in self._awaiting_weights]
             for url in serving:
                 add_worker(self.router.url, url, api_key=engine_api_key(self.args))
             wait_for_workers(self.router.url, serving, timeout=self.args.rollout_engine_start_timeout)
-            self.num_router_restarts += 1
             logger.warning("router restarted at %s with engines %s", self.router.url, serving)
 
     def engines_awaiting_weights(self, timeout: float | None = None) -> list[int]:
