@@ -177,22 +177,15 @@ class EnginePool:
         """
         if self.router is not None and not router_is_healthy(self.router):
             if self.monitor is None:
-                raise RuntimeError(
-                    f"{what}: {self.router.describe_failure()}; pass --use-fault-tolerance to restart it, or resume "
-                    "from the last checkpoint with --load"
-                )
+                raise RuntimeError(self._router_death(what))
             self.restart_router_if_dead()
         dead = self.dead_engines(released=released)
         if not dead:
             # The health monitor may have restarted the engine that failed the step already.
             return self.engines_awaiting_weights() if self.monitor is not None else []
-        names = ", ".join(f"engine {i} ({self.engine_urls[i]})" for i in dead)
         if self.monitor is None:
-            raise RuntimeError(
-                f"{what}: inference {names} died; pass --use-fault-tolerance to restart dead engines and go on. "
-                "Check the engine logs (in $TMPDIR/slime_logs) and resume from the last checkpoint with --load"
-            )
-        logger.warning("%s: inference %s died; restarting", what, names)
+            raise RuntimeError(self._engine_death(what, dead))
+        logger.warning("%s: inference engines %s died; restarting", what, dead)
         for index in dead:
             self._recover(index, f"dead during {what}")
         return self.engines_awaiting_weights()
@@ -200,20 +193,25 @@ class EnginePool:
     def serving_problem(self, rollout_id: int) -> str | None:
         """What stops the engines from serving: a dead router or dead engines (None when all is well)."""
         if self.router is not None and not router_is_healthy(self.router):
-            fix = (
-                "it could not be restarted" if self.monitor is not None else "pass --use-fault-tolerance to restart it"
-            )
-            return f"rollout {rollout_id}: {self.router.describe_failure()}; {fix}, or resume from the last checkpoint with --load"
+            return self._router_death(f"rollout {rollout_id}")
         dead = self.dead_engines() if self.engines else []
-        if not dead:
-            return None
+        return self._engine_death(f"rollout {rollout_id}", dead) if dead else None
+
+    def _router_death(self, what: str) -> str:
+        fix = "it could not be restarted" if self.monitor is not None else "pass --use-fault-tolerance to restart it"
+        return f"{what}: {self.router.describe_failure()}; {fix}, or resume from the last checkpoint with --load"
+
+    def _engine_death(self, what: str, dead: list[int]) -> str:
         names = ", ".join(f"engine {i} ({self.engine_urls[i]})" for i in dead)
         fix = (
             "they could not be restarted in time"
             if self.monitor is not None
             else "pass --use-fault-tolerance to restart dead engines and go on"
         )
-        return f"rollout {rollout_id}: inference {names} died; {fix}. Check the engine logs (in $TMPDIR/slime_logs) and resume from the last checkpoint with --load"
+        return (
+            f"{what}: inference {names} died; {fix}. Check the engine logs (in $TMPDIR/slime_logs) and resume from "
+            "the last checkpoint with --load"
+        )
 
     def check_after_rollout(self, rollout_id: int) -> None:
         """After a rollout that succeeded: with fault tolerance, find and restart engines that died meanwhile;
