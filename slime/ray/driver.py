@@ -86,19 +86,21 @@ def create_training_run(args) -> TrainingRun:
     configure_logging()
     resume_step = check_resume(args)  # before any process starts
     slices = create_placement_groups(args)
-    # Separate devices: engines start while the trainers are built. Colocated, the engines size their memory
-    # pools from what is free, so they come up first, alone.
+    # Separate devices: the rollout manager, its engines and the trainer processes all start at once. Colocated,
+    # the engines size their memory pools from what is free, so they come up first, alone.
     rollout_manager = create_rollout_manager(args, slices["rollout"], wait_for_engines=args.colocate)
-    num_rollout, num_rollout_per_epoch = ray.get(rollout_manager.get_num_rollout.remote())
-    # The trainers size their LR schedules from args.num_rollout, as upstream's do: resolved here for them.
-    expose_to_plugins(args, RunContext(num_rollout=num_rollout))
-
     actor = critic = None
-    start_rollout_id = args.start_rollout_id or 0
-    weight_version = 0
     if not args.debug_rollout_only:
         actor = RayTrainGroup(args, slices["actor"], role="actor")
         critic = RayTrainGroup(args, slices["actor"], role="critic") if args.use_critic else None
+    num_rollout, num_rollout_per_epoch = ray.get(rollout_manager.get_num_rollout.remote())
+    # The trainers size their LR schedules from args.num_rollout, as upstream's do: resolved here for them (their
+    # init, below, is handed these args).
+    expose_to_plugins(args, RunContext(num_rollout=num_rollout))
+
+    start_rollout_id = args.start_rollout_id or 0
+    weight_version = 0
+    if actor is not None:
         loaded_next_rollout_id = actor.init(with_ref=args.use_kl_loss or args.kl_coef != 0)
         if critic is not None:
             critic.init()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import functools
 
-from transformers import AutoConfig
-
 
 @functools.lru_cache(maxsize=4)
 def _config_context_length(path: str) -> int:
+    from transformers import AutoConfig  # here: the engine actors import this module and need no transformers
+
     config = AutoConfig.from_pretrained(path)
     config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
     return int(getattr(config, "max_position_embeddings", None) or 4096)

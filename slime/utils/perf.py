@@ -16,14 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import psutil
-import torch
 
-from slime.utils.device import cuda_available
+logger = logging.getLogger(__name__)
 
 # The driver's phases of one step, in order; each step has some of them (`train_wait`: the async trainer
 # waiting for its batch; `offload`: colocated trainer and engines swapping devices).
-logger = logging.getLogger(__name__)
-
 STEP_PHASES = ("generate", "train_wait", "offload", "train", "save", "update_weights", "eval")
 
 # Dense (no sparsity) BF16 tensor-core peak TFLOPs per GPU, by a substring of torch's device name.
@@ -126,6 +123,8 @@ def cpu_peak_tflops(num_threads: int | None = None) -> float:
     FLOPs per cycle per core from the vector units in /proc/cpuinfo: 2 FMA units x 2 FLOPs x the FP32 lanes
     (16 with AVX-512, 8 with AVX2, 4 otherwise).
     """
+    import torch  # torch is imported where it is used: engine actors use this module without it
+
     threads = num_threads or torch.get_num_threads()
     flags, mhz = set(), 2000.0
     try:
@@ -145,6 +144,10 @@ def cpu_peak_tflops(num_threads: int | None = None) -> float:
 def device_peak_tflops(override: float | None = None) -> float | None:
     """`--peak-tflops` when given, else the known peak of this process's GPU (None for an unknown one), else
     `cpu_peak_tflops()`."""
+    import torch
+
+    from slime.utils.device import cuda_available
+
     if override:
         return override
     if not cuda_available():
@@ -159,6 +162,10 @@ def device_peak_tflops(override: float | None = None) -> float | None:
 
 def peak_memory_gb() -> float:
     """This process's peak memory: GPU memory allocated by torch on a GPU, else the peak resident size."""
+    import torch
+
+    from slime.utils.device import cuda_available
+
     if cuda_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB

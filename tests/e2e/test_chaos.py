@@ -178,8 +178,12 @@ def test_random_kills_leave_the_trained_prompts_of_an_uninterrupted_run(tiny_mod
     # A restarted engine serves again only once its log-probs match the trainer's.
     gaps = [row["rollout/restarted_engine_weight_gap"] for row in rows if "rollout/restarted_engine_weight_gap" in row]
     assert gaps and max(gaps) <= 1e-4, (gaps, context)
-    restarts = (tmp_path / "driver.err").read_text().count("from the last checkpoint in --save")
+    log = (tmp_path / "driver.err").read_text()
+    restarts = log.count("from the last checkpoint in --save")
     assert restarts >= sum(kind in ("trainer rank", "rollout manager") for _, kind, _ in chaos.kills), context
+    assert all(f"restart {k} of --max-restarts {TRIALS} from" in log for k in range(1, restarts + 1)), context
+    if any(kind == "trainer rank" for _, kind, _ in chaos.kills):
+        assert "training rank 0 of the actor" in log, context  # the dead rank is named
     fresh = [*small_run_flags(tiny_model_dir, prompt_file, tmp_path / "fresh"), "--num-rollout", str(num_rollout)]
     expected = RolloutDataSourceWithBuffer(parse_args(fresh)).get_samples(2 * num_rollout)
     trained = [s for rollout_id in range(num_rollout) for s in saved_samples(save_dir, rollout_id)]

@@ -160,3 +160,27 @@ def test_bad_pool_settings_name_the_flag():
         asyncio.run(get_reward_pool(1).grade("math", "\\boxed{1}", "1", timeout=-1.0))
     with pytest.raises(ValueError, match="--rm-num-workers"):
         get_reward_pool(0)
+
+
+@pytest.mark.reliability(
+    "a gpqa response of 'answer' and 5000 spaces (the old pattern backtracked polynomially: 400 spaces took 29 s on "
+    "the rollout's event loop)",
+    "graded in a worker like every built-in reward: scores 0 at once, a correct answer after it still scores 1",
+)
+def test_hostile_gpqa_response_is_graded_in_a_worker():
+    args = Namespace(rm_type="gpqa", rm_timeout_secs=30.0)
+    hostile = Sample(index=0, response="The answer" + " " * 5000 + "is unclear", label="B")
+    assert asyncio.run(async_rm(args, hostile)) == 0.0
+    assert len(get_reward_pool(1).pids()) == 1  # in a worker, not on this loop
+    spaced = Sample(index=1, response="Answer" + " " * 5000 + ": (B)", label="B")
+    assert asyncio.run(async_rm(args, spaced)) == 1.0
+    assert pop_reward_metrics().get("reward/timeouts", 0) == 0
+
+
+def test_every_built_in_type_scores_as_wrong_past_the_timeout():
+    # A timeout no answer can meet: each type's worker is killed, and the answer scores as a wrong one.
+    expected = {"f1": 0.0, "gpqa": 0.0, "last_number": 0.0, "dapo": {"score": -1.0, "acc": False, "pred": "2"}}
+    for rm_type, wrong in expected.items():
+        args = Namespace(rm_type=rm_type, rm_timeout_secs=1e-6)
+        assert asyncio.run(async_rm(args, Sample(index=0, response="Answer: 2", label="2"))) == wrong, rm_type
+    assert pop_reward_metrics()["reward/timeouts"] == len(expected)

@@ -61,18 +61,6 @@ def kill_an_engine_before_the_push_of_rollout_1(args, rollout_id, data):
     _kill_and_wait(max(servers))
 
 
-async def exit_rollout_manager_once_after_a_restart(args, sample, sampling_params):
-    """The default generate, but in a job restarted after `exit_trainer_once_in_rollout_1`, the first request of its
-    second rollout ends the rollout manager's process (once per --save folder)."""
-    global _calls
-    trainer_died, marker = Path(args.save) / "trainer_killed_once", Path(args.save) / "rollout_manager_killed_once"
-    if _calls == SAMPLES_PER_ROLLOUT and trainer_died.exists() and not marker.exists():
-        marker.write_text("")
-        os._exit(1)
-    _calls += 1
-    return await generate(args, sample, sampling_params)
-
-
 def exit_trainer_once_in_rollout_1(args, rollout_id, data):
     """--rollout-data-postprocess-path hook: the training process dies on rollout 1, once per --save folder."""
     marker = Path(args.save) / "trainer_killed_once"

@@ -20,6 +20,7 @@ from slime.rollout.rm_hub.gpqa import compute_gpqa_reward, extract_choice_letter
 from slime.rollout.rm_hub.math_rm import compute_math_reward
 from slime.rollout.rm_hub.math_utils import extract_boxed_answer, is_equiv, normalize_final_answer
 from slime.rollout.rm_hub.remote_rm import RemoteRewardError
+from slime.rollout.rm_hub.reward_workers import RewardWorkerError
 from slime.utils.types import Sample
 
 
@@ -273,7 +274,9 @@ def test_builtin_reward_error_names_type_and_sample():
     sample = Sample(index=5, response="Answer: A", label="purple")
     with pytest.raises(RewardFunctionError, match="reward type 'gpqa' failed on sample index 5") as error:
         rm(Namespace(rm_type="gpqa"), sample)
-    assert isinstance(error.value.__cause__, ValueError)
+    # Raised in the grading worker: its error and traceback come back as the cause.
+    assert isinstance(error.value.__cause__, RewardWorkerError)
+    assert str(error.value.__cause__).startswith("ValueError: gpqa label 'purple' is neither an option letter")
 
 
 # ---------------------------------------------------------------- custom reward functions

@@ -417,14 +417,34 @@ class CpuEngine:
         """Sample one token per row, record it, and return the batch without the rows that finished."""
         requests = batch.requests
         banned = [self._stop_token_ids(r) if len(r.output_ids) < r.params.min_new_tokens else [] for r in requests]
-        tokens, log_probs = sample_next_tokens(
-            logits, [r.params for r in requests], [r.generator for r in requests], banned
-        )
+        failed: dict[int, str] = {}
+        try:
+            tokens, log_probs = sample_next_tokens(
+                logits, [r.params for r in requests], [r.generator for r in requests], banned
+            )
+        except Exception as error:
+            # One request's parameters can fail the batched sampler: sample row by row, so that only the rows
+            # that fail on their own end (with the error), and the others go on.
+            logger.warning("batched sampling failed (%r): sampling the %d rows one by one", error, len(requests))
+            tokens, log_probs = [], []
+            for row, request in enumerate(requests):
+                try:
+                    (token,), (log_prob,) = sample_next_tokens(
+                        logits[row : row + 1], [request.params], [request.generator], [banned[row]]
+                    )
+                except Exception as row_error:
+                    failed[row], token, log_prob = f"sampling failed: {row_error!r}", 0, 0.0
+                tokens.append(token)
+                log_probs.append(log_prob)
         batch.last_tokens = torch.tensor(tokens, dtype=torch.long)
         watches = [self._watches.get(r) for r in requests] if self._watches else None
         tops = _top_log_probs(logits, requests, watches) if watches else None
         alive = []
         for row, (request, token, log_prob) in enumerate(zip(requests, tokens, log_probs)):
+            if row in failed:
+                request.error = failed[row]
+                self._finish(request, _abort_reason(request.error))
+                continue
             request.output_ids.append(token)
             request.output_logprobs.append(log_prob)
             reason = self._finish_reason(request)

@@ -35,6 +35,7 @@ from slime.backends.cpu_engine.protocol import (
     GenerationRequest,
     RequestError,
     build_generate_response,
+    check_text_fits,
     parse_generate_request,
     parse_sampling_params,
 )
@@ -366,6 +367,7 @@ def _chat_prompt(engine: CpuEngine, messages: list[dict], tools: list[dict] | No
         text = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as error:  # jinja errors: a role order or field the template does not accept
         raise OpenAIError(f"the model's chat template rejected the messages: {error}", "messages") from None
+    check_text_fits(text, engine.tokenizer, engine.context_length, "the templated messages")
     # The template writes any BOS itself.
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
@@ -448,7 +450,9 @@ def add_routes(
         streaming, include_usage = oai.stream_fields(body)
         logprobs = oai.bool_field(body, "logprobs")
         top_logprobs = _top_logprobs(body, logprobs)
-        prompt = _chat_prompt(engine, messages, tools)
+        prompt = await asyncio.to_thread(
+            _chat_prompt, engine, messages, tools
+        )  # templating and tokenizing: off the loop
         requests = _build_requests(engine, [prompt], params, n, seed, logprobs)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -500,9 +504,19 @@ def add_routes(
     @openai_errors
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
-        prompts = _completion_prompts(body, engine)
-        params = _sampling(body, engine)
         n, seed = oai.choice_fields(body)
+        # The work a call implies is bounded before anything is tokenized or built: a 30 KB body of 6000 token
+        # lists with n=128 would otherwise build 768k requests on the event loop, for a 503 no retry can fix.
+        asked = _prompt_count(body) * n
+        if asked > max_queued:
+            raise OpenAIError(
+                f"this call asks for {asked} generations ({asked // n} prompts x n={n}); the engine takes at most "
+                f"{max_queued} per call (--max-queued-requests): send fewer prompts or a smaller n",
+                "prompt",
+            )
+        # Tokenizing long prompts takes a while: off the event loop, so /health and the other requests go on.
+        prompts = await asyncio.to_thread(_completion_prompts, body, engine)
+        params = _sampling(body, engine)
         streaming, include_usage = oai.stream_fields(body)
         logprobs = oai.integer_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
         top_logprobs = logprobs or 0
@@ -555,6 +569,14 @@ def add_routes(
     app.router.add_route("*", "/v1/{tail:(?!loads$).*}", not_found)
 
 
+def _prompt_count(body: dict) -> int:
+    """How many prompts `prompt` holds, read without tokenizing anything (1 for what is not a list)."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or all(oai.is_integer(t) for t in prompt):
+        return 1
+    return len(prompt)
+
+
 def _completion_prompts(body: dict, engine: CpuEngine) -> list[list[int]]:
     """`prompt` as a string, a list of strings, a list of token ids or a list of such lists."""
     prompt = body.get("prompt")
@@ -566,8 +588,9 @@ def _completion_prompts(body: dict, engine: CpuEngine) -> list[list[int]]:
     if all(oai.is_integer(t) for t in prompt):
         prompt = [prompt]
     out = []
-    for item in prompt:
+    for i, item in enumerate(prompt):
         if isinstance(item, str) and item:
+            check_text_fits(item, engine.tokenizer, engine.context_length, f"prompt[{i}]")
             out.append(engine.tokenizer.encode(item))
         elif isinstance(item, list) and item and all(oai.is_integer(t) and 0 <= t < engine.vocab_size for t in item):
             out.append(item)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,11 +143,15 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
     return params
 
 
+# Largest integer a count may be: what SGLang's int32 fields hold; past it torch overflows inside the batch.
+MAX_INT32 = 2**31 - 1
+
+
 def _parse_field(name: str, value: Any, vocab_size: int) -> Any:
     where = f"sampling_params.{name}"
     if name in ("max_new_tokens", "min_new_tokens"):
-        if not _is_int(value) or value < 0:
-            raise RequestError(f"{where} must be an integer >= 0, got {value!r}")
+        if not _is_int(value) or not 0 <= value <= MAX_INT32:
+            raise RequestError(f"{where} must be an integer in [0, {MAX_INT32}], got {value!r}")
         return value
     if name == "temperature":
         if not _is_number(value) or value < 0:
@@ -158,9 +163,9 @@ def _parse_field(name: str, value: Any, vocab_size: int) -> Any:
             raise RequestError(f"{where} must be in (0, 1], got {value!r}")
         return float(value)
     if name == "top_k":
-        if not _is_int(value) or (value < 1 and value != -1):
-            raise RequestError(f"{where} must be -1 (off) or an integer >= 1, got {value!r}")
-        return value
+        if not _is_int(value) or not (value == -1 or 1 <= value <= MAX_INT32):
+            raise RequestError(f"{where} must be -1 (off) or an integer in [1, {MAX_INT32}], got {value!r}")
+        return -1 if value >= vocab_size else value  # at least the vocabulary: every token stays
     if name == "min_p":
         if not _is_number(value) or not 0 <= value <= 1:
             raise RequestError(f"{where} must be in [0, 1], got {value!r}")
@@ -231,7 +236,7 @@ def parse_generate_request(
         if body.get(name) not in (None, False, 0, [], {}, ""):
             raise RequestError(f"field '{name}' is not supported by the CPU engine; omit it")
 
-    prompts, is_batch = _parse_prompts(body, tokenizer, vocab_size)
+    prompts, is_batch = _parse_prompts(body, tokenizer, vocab_size, context_length)
     count = len(prompts)
     sampling_params = _per_item(body, "sampling_params", count, is_batch, None, dict)
     return_logprob = _per_item(body, "return_logprob", count, is_batch, False, bool)
@@ -280,7 +285,33 @@ def parse_generate_request(
     return requests, is_batch
 
 
-def _parse_prompts(body: dict, tokenizer, vocab_size: int) -> tuple[list[list[int]], bool]:
+_MAX_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_token_chars(tokenizer) -> int:
+    """Most characters of text one token of `tokenizer` stands for, bounded by its longest vocabulary entry (a
+    byte-level entry spells its bytes, at least as many as the characters they make). Computed once per tokenizer."""
+    if tokenizer not in _MAX_TOKEN_CHARS:
+        _MAX_TOKEN_CHARS[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
+    return _MAX_TOKEN_CHARS[tokenizer]
+
+
+def check_text_fits(text: str, tokenizer, context_length: int, where: str) -> None:
+    """Refuse text that cannot fit the context before tokenizing it: it holds at least
+    `len(text) / max_token_chars` tokens (15 MiB of text took 54 s and 4.7 GB to tokenize).
+
+    Raises:
+        RequestError: naming `where`, its length and the context length.
+    """
+    per_token = max_token_chars(tokenizer)
+    if len(text) > context_length * per_token:
+        raise RequestError(
+            f"{where} has {len(text)} characters: at least {-(-len(text) // per_token)} tokens (a token here stands "
+            f"for at most {per_token} characters), past the context length {context_length}; shorten it"
+        )
+
+
+def _parse_prompts(body: dict, tokenizer, vocab_size: int, context_length: int) -> tuple[list[list[int]], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise RequestError("send exactly one of 'text' and 'input_ids'")
@@ -289,6 +320,8 @@ def _parse_prompts(body: dict, tokenizer, vocab_size: int) -> tuple[list[list[in
         texts = text if is_batch else [text]
         if not texts or not all(isinstance(t, str) and t for t in texts):
             raise RequestError("text must be a non-empty string or a non-empty list of non-empty strings")
+        for i, t in enumerate(texts):
+            check_text_fits(t, tokenizer, context_length, f"text[{i}]" if is_batch else "text")
         return [tokenizer.encode(t) for t in texts], is_batch
     if not isinstance(input_ids, list) or not input_ids:
         raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")

@@ -309,6 +309,7 @@ def _parse_json(raw: bytes, path: str) -> Any:
 async def _json_body(request: web.Request, limit: int = CONTROL_MAX_BODY_BYTES) -> dict[str, Any]:
     """The JSON object in the body (at most `limit` bytes); an empty body counts as {}."""
     raw = await _read_body(request, limit)
+    request["body_bytes"] = len(raw)  # a chunked body has no Content-Length to size the parse by
     if not raw.strip():
         return {}
     if len(raw) > PARSE_OFF_LOOP_BYTES:
@@ -417,7 +418,7 @@ async def generate(request: web.Request) -> web.Response:
     body = await _json_body(request, GENERATE_MAX_BODY_BYTES)
     parse = functools.partial(parse_generate_request, body, engine.tokenizer, engine.vocab_size, engine.context_length)
     # Checking millions of token ids takes a while; keep the event loop free for /health meanwhile.
-    big = (request.content_length or 0) > PARSE_OFF_LOOP_BYTES
+    big = request["body_bytes"] > PARSE_OFF_LOOP_BYTES
     requests, is_batch = await asyncio.to_thread(parse) if big else parse()
     limit = request.app[_STATE]["args"].max_queued_requests
     if len(requests) > limit:

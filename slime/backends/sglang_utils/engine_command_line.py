@@ -19,7 +19,6 @@ import json
 import logging
 from typing import Any
 
-from slime.utils.arguments import SGLANG_MANAGED_FIELDS
 from slime.utils.engine_args import engine_api_key as engine_api_key  # importable here, as before
 
 logger = logging.getLogger(__name__)
@@ -136,6 +135,9 @@ def build_sglang_server_args(
     Raises:
         ValueError: A `--sglang-*` flag tries to set a field slime manages.
     """
+    # Imported here: the parser pulls in torch, which an engine actor (a launcher) does not need.
+    from slime.utils.arguments import SGLANG_MANAGED_FIELDS
+
     user_options = _normalized_options(args.sglang_server_args or {})
     managed = sorted(set(user_options) & set(SGLANG_MANAGED_FIELDS))
     if managed:

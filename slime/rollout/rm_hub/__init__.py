@@ -5,7 +5,7 @@ last `\\boxed{...}` of the response; math, deepscaler and dapo find the boxed an
 remote_rm (HTTP server at `--rm-url`); random. A sample's `metadata["rm_type"]` overrides `--rm-type`,
 so one dataset can mix reward types.
 
-math, deepscaler and dapo are graded in worker processes (`reward_workers`) under `--rm-timeout-secs`, so a
+The rule-based types are graded in worker processes (`reward_workers`) under `--rm-timeout-secs`, so a
 pathological answer costs at most that and never blocks the event loop; it scores as a wrong answer and is
 counted in `pop_reward_metrics()["reward/timeouts"]`.
 
@@ -66,10 +66,8 @@ RULE_BASED_REWARDS: dict[str, Callable[[str, Any, dict], float | dict]] = {
     "last_number": lambda response, label, metadata: compute_last_number_reward(response, label),
 }
 RM_TYPES = (*RULE_BASED_REWARDS, "remote_rm", "random")
-# Types that may run sympy, and what an answer that could not be graded in time scores: the same as a wrong one.
+# What an answer that could not be graded in time scores: the same as a wrong one (0.0 where not listed).
 UNGRADED_REWARDS: dict[str, Callable[[str], float | dict]] = {
-    "math": lambda response: 0.0,
-    "deepscaler": lambda response: 0.0,
     "dapo": lambda response: {"score": -1.0, "acc": False, "pred": extract_dapo_answer(response) or ""},
 }
 BOXED_PREFIX = "boxed_"
@@ -109,17 +107,17 @@ async def _builtin_reward(args, sample: Sample, base_type: str, boxed: bool) -> 
     response = sample.response
     if boxed:
         response = extract_boxed_answer(response) or ""
-    if base_type in UNGRADED_REWARDS:
-        num_workers, timeout = getattr(args, "rm_num_workers", None), getattr(args, "rm_timeout_secs", None)
-        pool = get_reward_pool(DEFAULT_NUM_WORKERS if num_workers is None else num_workers)
-        timeout = DEFAULT_TIMEOUT_SECS if timeout is None else timeout
-        try:
-            return await pool.grade(base_type, response, sample.label, timeout)
-        except (GradingTimeout, GradingCrash) as error:
-            logger.warning("sample index %s scored as wrong: %s", sample.index, error)
-            return UNGRADED_REWARDS[base_type](response)
+    # Every rule-based type in a worker process, under --rm-timeout-secs: sympy or a regular expression on a
+    # hostile response can run for minutes, and here it would stall every other sample of the rollout.
+    num_workers, timeout = getattr(args, "rm_num_workers", None), getattr(args, "rm_timeout_secs", None)
+    pool = get_reward_pool(DEFAULT_NUM_WORKERS if num_workers is None else num_workers)
+    timeout = DEFAULT_TIMEOUT_SECS if timeout is None else timeout
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    return RULE_BASED_REWARDS[base_type](response, sample.label, metadata)
+    try:
+        return await pool.grade(base_type, response, sample.label, timeout, metadata)
+    except (GradingTimeout, GradingCrash) as error:
+        logger.warning("sample index %s scored as wrong: %s", sample.index, error)
+        return UNGRADED_REWARDS.get(base_type, lambda response: 0.0)(response)
 
 
 async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
@@ -130,7 +128,7 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
         sample: The sample with its `response` and `label`.
         **kwargs: Passed on to a custom reward function.
 
-    math, deepscaler and dapo are graded in a worker process (`args.rm_num_workers`, default 1), each answer
+    The built-in rule-based types are graded in a worker process (`args.rm_num_workers`, default 1), each answer
     within `args.rm_timeout_secs` (default 5); past it the answer scores as a wrong one and counts in
     `pop_reward_metrics()`. Awaiting never blocks the event loop.
 

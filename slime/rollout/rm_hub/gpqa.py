@@ -8,9 +8,11 @@ import string
 from .math_utils import extract_boxed_answer, normalize_final_answer
 
 # Strongest signals first: an explicit "Answer: X" / "answer is X", then a lone letter. Letters must be
-# upper case so that "the answer is a ..." does not read as option A.
+# upper case so that "the answer is a ..." does not read as option A. Between "answer" and the letter one
+# character class, never two optional runs of spaces side by side: those backtrack polynomially ("answer" and
+# 800 spaces took minutes), this is linear.
 _ANSWER_PATTERNS = (
-    re.compile(r"(?i:answer)\s*(?:is|:)?\s*:?\s*\(?\s*([A-Z])\b\)?"),
+    re.compile(r"(?i:answer)(?:\s+is)?[\s:(]*([A-Z])\b\)?"),
     re.compile(r"^\s*\(?([A-Z])\)?[.:]?\s*$"),
 )
 

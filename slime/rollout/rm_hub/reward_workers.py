@@ -1,9 +1,10 @@
-"""Math rewards graded in worker processes, each answer under a hard timeout.
+"""Built-in rewards graded in worker processes, each answer under a hard timeout.
 
-sympy (under math-verify) can run for minutes on answers like `(x+1)^{999}` against `(x+2)^{999}`, and a
-signal-based timeout never fires on the rollout's event-loop thread. So the math, deepscaler and dapo
-rewards run in separate processes: one still grading after `--rm-timeout-secs` is killed, and a fresh one
-takes its place for the next answer. The caller scores such an answer as wrong; `pop_reward_metrics` counts it.
+sympy (under math-verify) can run for minutes on answers like `(x+1)^{999}` against `(x+2)^{999}`, a regular
+expression can backtrack for as long on a hostile response, and a signal-based timeout never fires on the
+rollout's event-loop thread. So every built-in rule-based reward runs in separate processes: one still grading
+after `--rm-timeout-secs` is killed, and a fresh one takes its place for the next answer. The caller scores such
+an answer as wrong; `pop_reward_metrics` counts it.
 
 A worker is a fresh `python` (the spawn model: none of the parent's Ray or torch state is inherited) that
 speaks JSON lines over stdin/stdout, so nothing is unpickled on either side.
@@ -28,6 +29,8 @@ from queue import SimpleQueue
 from typing import Any
 
 DEFAULT_TIMEOUT_SECS = 5.0
+SYMBOLIC_TYPES = ("math", "deepscaler", "dapo")  # the rewards that may run sympy
+WARMED = b'{"warmed": true}'
 DEFAULT_NUM_WORKERS = 1
 STARTUP_TIMEOUT_SECS = 120.0  # imports on a busy 2-core machine; not counted against any answer
 
@@ -87,6 +90,7 @@ class _Worker:
             [sys.executable, "-c", _WORKER_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
         self._buffer = b""
+        self.warmed = False  # whether it has built math-verify's parser (on its first symbolic answer)
         try:
             ready = self._read_line(STARTUP_TIMEOUT_SECS)
         except EOFError:
@@ -127,6 +131,12 @@ class _Worker:
         try:
             self.process.stdin.write(json.dumps(task, default=str).encode() + b"\n")
             self.process.stdin.flush()
+            if task["rm_type"] in SYMBOLIC_TYPES and not self.warmed:
+                # It builds the symbolic parser first and says so: that is start-up, not this answer's time.
+                if self._read_line(STARTUP_TIMEOUT_SECS) != WARMED:
+                    self.kill()
+                    raise RewardWorkerError(f"reward worker {self.pid} did not build math-verify's parser")
+                self.warmed = True
             line = self._read_line(timeout)
         except (BrokenPipeError, EOFError) as error:
             self.kill()
@@ -174,7 +184,7 @@ class RewardWorkerPool:
         with self._lock:
             return [worker.pid for worker in self._workers if worker.alive()]
 
-    async def grade(self, rm_type: str, response: str, label: Any, timeout: float) -> Any:
+    async def grade(self, rm_type: str, response: str, label: Any, timeout: float, metadata: dict | None = None) -> Any:
         """Reward of `response` by the rule-based reward `rm_type`, computed in a worker.
 
         Args:
@@ -186,7 +196,7 @@ class RewardWorkerPool:
         """
         if not timeout or timeout <= 0:
             raise ValueError(f"--rm-timeout-secs must be > 0, got {timeout!r}")
-        task = {"rm_type": rm_type, "response": response, "label": label}
+        task = {"rm_type": rm_type, "response": response, "label": label, "metadata": metadata or {}}
         return await asyncio.wrap_future(self._threads.submit(self._grade_blocking, task, timeout))
 
     def _grade_blocking(self, task: dict[str, Any], timeout: float) -> Any:
@@ -265,8 +275,7 @@ def worker_main() -> None:
     from slime.rollout.rm_hub import RULE_BASED_REWARDS, math_utils
 
     math_utils.SYMPY_TIMEOUT_SECONDS = None  # the parent's kill is the timeout here
-    # The first symbolic check builds math-verify's LaTeX parser (about a second): do it before any answer's clock.
-    math_utils.is_equiv("(x+1)^2", "x^2+2x+1")
+    warmed = False
 
     def reply(message: dict[str, Any]) -> None:
         protocol.write(json.dumps(message).encode() + b"\n")
@@ -275,8 +284,14 @@ def worker_main() -> None:
     reply({"ready": True})
     for line in sys.stdin.buffer:
         task = json.loads(line)
+        if task["rm_type"] in SYMBOLIC_TYPES and not warmed:
+            # The first symbolic check builds math-verify's LaTeX parser (about a second); the parent starts this
+            # answer's clock when told it is built. Workers that grade only other types never pay for it.
+            math_utils.is_equiv("(x+1)^2", "x^2+2x+1")
+            warmed = True
+            reply({"warmed": True})
         try:
-            reward = RULE_BASED_REWARDS[task["rm_type"]](task["response"], task["label"], {})
+            reward = RULE_BASED_REWARDS[task["rm_type"]](task["response"], task["label"], task.get("metadata") or {})
             reply({"reward": reward})
         except Exception as error:
             reply({"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})

@@ -184,7 +184,10 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     "use_fault_tolerance": (
         "test_engine_args.py::test_failover_window_covers_one_health_round_with_fault_tolerance_only",
     ),
-    "max_restarts": ("test_fault_tolerance.py::test_dead_trainer_rank_restarts_the_job_from_its_checkpoint",),
+    "max_restarts": (
+        "test_driver_restarts.py::test_restarts_from_save_at_most_max_restarts_times",
+        "test_chaos.py::test_random_kills_leave_the_trained_prompts_of_an_uninterrupted_run",
+    ),
     "rollout_health_check_interval": (
         "test_engine_args.py::test_failover_window_covers_one_health_round_with_fault_tolerance_only",
     ),

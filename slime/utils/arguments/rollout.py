@@ -243,10 +243,10 @@ def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         "--rm-timeout-secs",
         type=float,
         default=5.0,
-        help="Per-answer limit of the math/deepscaler/dapo graders; past it the worker is killed, the answer wrong.",
+        help="Per-answer limit of the built-in rule-based graders; past it the worker is killed, the answer wrong.",
     )
     group.add_argument(
-        "--rm-num-workers", type=int, default=1, help="Processes grading math answers (started on first use)."
+        "--rm-num-workers", type=int, default=1, help="Processes grading the built-in rewards (started on first use)."
     )
     group.add_argument("--custom-rm-path", default=None, help="async rm(args, sample) -> float.")
     group.add_argument(
