@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 # A long conversation is one JSON body; aiohttp's default limit is 1 MiB.
 _MAX_BODY_BYTES = 256 * 2**20
+_PARSE_OFF_LOOP_BYTES = 256 * 2**10  # below it the thread hop costs more than the parse
 
 
 class ProxyError(oai.OpenAIError):
@@ -245,12 +246,16 @@ class TrajectoryProxy:
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
+        raw = await _read_body(request, _body_limit(session, self.tokenizer))
         try:
-            body = await request.json()
-        except ValueError:
+            # Parsed off the event loop: a session's large body must not hold another session's turn.
+            body = await asyncio.to_thread(json.loads, raw) if len(raw) > _PARSE_OFF_LOOP_BYTES else json.loads(raw)
+        except (ValueError, RecursionError):
             raise ProxyError(400, "the request body is not JSON", "invalid_json") from None
         if not isinstance(body, dict):
             raise ProxyError(400, "the request body must be a JSON object", "invalid_json")
+        if oai.lone_surrogate(raw, body):
+            raise ProxyError(400, "the request body holds a lone UTF-16 surrogate (e.g. \\ud800)", "invalid_json")
         messages = oai.messages_field(body)
         if body.get("n") not in (None, 1):
             raise ProxyError(400, "n must be 1: a session records one trajectory", "invalid_value", "n")
@@ -263,6 +268,27 @@ class TrajectoryProxy:
             return await _stream(request, completion, include_usage)
         return web.json_response(completion)
 
+    def _prompt_tokens(
+        self, session: Session, messages: list[dict], keys: list[tuple], start: int, tools, body: dict
+    ) -> tuple[list[int], list[int]]:
+        """(the turn's prompt ids, the ids this request adds to the session's tokens); runs on a worker thread."""
+        template_kwargs = body.get("chat_template_kwargs")
+        if not session.turns:
+            return prompt_ids(self.tokenizer, messages, tools, template_kwargs), []
+        for i in range(start, len(messages)):
+            if keys[i][0] == "assistant":
+                raise ProxyError(
+                    400,
+                    f"messages[{i}] is an assistant message the model did not write in this session; only "
+                    "the model's own replies may follow the first request (open a new session otherwise)",
+                    "history_mismatch",
+                    f"messages[{i}]",
+                )
+        context = continuation_ids(
+            self.tokenizer, session.turns[-1].output_ids, messages[start:], tools, template_kwargs
+        )
+        return session.tokens + context, context
+
     async def _turn(self, session: Session, messages: list[dict], keys: list[tuple], body: dict) -> Turn:
         if session.stop_reason is not None:
             raise _stopped(session)
@@ -274,24 +300,20 @@ class TrajectoryProxy:
         template_kwargs = body.get("chat_template_kwargs")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise ProxyError(400, "chat_template_kwargs must be an object", "invalid_value", "chat_template_kwargs")
-        try:
-            context: list[int] = []
-            if not session.turns:
-                prompt = prompt_ids(self.tokenizer, messages, tools, template_kwargs)
-            else:
-                for i in range(start, len(messages)):
-                    if keys[i][0] == "assistant":
-                        raise ProxyError(
-                            400,
-                            f"messages[{i}] is an assistant message the model did not write in this session; only "
-                            "the model's own replies may follow the first request (open a new session otherwise)",
-                            "history_mismatch",
-                            f"messages[{i}]",
-                        )
-                context = continuation_ids(
-                    self.tokenizer, session.turns[-1].output_ids, messages[start:], tools, template_kwargs
+        if session.context_limit is not None:
+            # Text that cannot fit is refused from its length, before the template and the tokenizer see it.
+            chars = sum(len(content_text(m.get("content"))) for m in messages[start:])
+            if chars > session.context_limit * oai.max_token_chars(self.tokenizer):
+                raise ProxyError(
+                    400,
+                    f"the new messages hold {chars} characters, more than a context of {session.context_limit} "
+                    "tokens can take; shorten them",
+                    "context_length_exceeded",
+                    "messages",
                 )
-                prompt = session.tokens + context
+        # Templating and tokenizing run off the event loop: one session's long turn never holds another's.
+        try:
+            prompt, context = await asyncio.to_thread(self._prompt_tokens, session, messages, keys, start, tools, body)
         except ChatTemplateError as error:
             raise ProxyError(400, str(error), "invalid_value", "messages") from None
 
@@ -474,6 +496,28 @@ def _sampling_params(defaults: dict[str, Any], body: dict[str, Any]) -> dict[str
     if seed is not None:
         params["sampling_seed"] = seed
     return params
+
+
+def _body_limit(session: Session, tokenizer) -> int:
+    """Most bytes one request of `session` may send: what its context could hold as JSON (6 bytes a character at
+    worst, as \\u escapes) plus 1 MiB of structure, within `_MAX_BODY_BYTES`."""
+    if session.context_limit is None:
+        return _MAX_BODY_BYTES
+    return min(_MAX_BODY_BYTES, session.context_limit * oai.max_token_chars(tokenizer) * 6 + 2**20)
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (read in chunks: a chunked body states no length)."""
+    too_large = ProxyError(413, f"the request body exceeds this session's limit of {limit} bytes", "body_too_large")
+    if (request.content_length or 0) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _engine_message(body: str) -> str:

@@ -18,18 +18,17 @@ import functools
 import time
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.utils import progress
 from slime.utils.mask_utils import tokenize_conversation
+from slime.utils.misc import load_tokenizer_without_model_code
 from slime.utils.types import Sample, Status
 
 
 @functools.lru_cache(maxsize=4)
 def load_chat_tokenizer(path: str) -> Any:
     """The tokenizer of `--hf-checkpoint`, which must carry a chat template."""
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    tokenizer = load_tokenizer_without_model_code(path)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"the tokenizer of --hf-checkpoint {path} has no chat template; sft_rollout renders conversations "

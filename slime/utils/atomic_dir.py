@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 from pathlib import Path
 
@@ -88,9 +89,7 @@ def remove_leftovers(final: str | Path) -> None:
         pid = int(match.group("pid"))
         if pid != os.getpid() and _pid_alive(pid):
             continue  # another live process may be writing it
-        if entry.is_file() and not entry.is_symlink():
-            entry.unlink()  # a file by this exact slime-only name: a temporary of `atomic_write_text`
-        elif is_slime_folder(entry):
+        if is_slime_folder(entry):  # the marker inside, not the name alone: a user's file of that name stays
             shutil.rmtree(entry)
         else:
             logger.warning("leaving %s: named like an interrupted slime write but unmarked; remove it yourself", entry)
@@ -168,12 +167,17 @@ def on_rank0(fn, *args):
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Replace the file `path` with `text` in one rename (via `.<name>.slime-tmp-<pid>`)."""
+    """Replace the file `path` with `text` in one rename, via a temporary file of a fresh random name beside it
+    (created exclusively: it never overwrites anything; one left by a killed process is a few bytes, left alone)."""
     path = Path(path)
-    remove_leftovers(path)
-    tmp = staging_path(path)
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.parent / f".{path.name}.slime-write-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # ours: created above
+        raise

@@ -79,3 +79,25 @@ def release_free_host_memory() -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def load_tokenizer_without_model_code(path: str):
+    """`AutoTokenizer.from_pretrained(path)` that never runs Python code shipped in the model folder.
+
+    A `tokenizer_config.json` whose `auto_map` names a `.py` of the folder would have transformers import (run) it
+    under `trust_remote_code=True`; slime passes False everywhere, and says so when a folder needs it.
+
+    Raises:
+        ValueError: naming the folder, when its tokenizer needs its own code.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise ValueError(
+            f"the tokenizer of {path} needs code from its own folder (auto_map in tokenizer_config.json); slime does "
+            "not run code from model folders. Use a model whose tokenizer class ships with transformers"
+        ) from None

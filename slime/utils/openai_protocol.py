@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+import weakref
 from typing import Any
 
 from slime.utils.tool_calls import ToolCall, parse_tool_calls
@@ -135,14 +136,41 @@ def stream_fields(body: dict) -> tuple[bool, bool]:
 
 
 def messages_field(body: dict) -> list[dict[str, Any]]:
-    """`messages`, checked to be a non-empty list of objects whose `role` is one of `ROLES` (content unchecked)."""
+    """`messages`, checked to be a non-empty list of objects whose `role` is one of `ROLES` and whose `tool_calls`,
+    when present, is a list of objects (content is checked by each server)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty list of {'role', 'content'} objects", "messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise _invalid(f"messages[{i}] must be an object with 'role' one of {', '.join(ROLES)}", f"messages[{i}]")
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise _invalid(f"messages[{i}].tool_calls must be a list of tool call objects", f"messages[{i}]")
     return messages
+
+
+_MAX_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_token_chars(tokenizer) -> int:
+    """Most characters of text one token of `tokenizer` stands for, bounded by its longest vocabulary entry (a
+    byte-level entry spells its bytes, at least as many as the characters they make). Computed once per tokenizer."""
+    if tokenizer not in _MAX_TOKEN_CHARS:
+        _MAX_TOKEN_CHARS[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
+    return _MAX_TOKEN_CHARS[tokenizer]
+
+
+def lone_surrogate(raw: bytes, body: Any) -> bool:
+    """Whether a decoded JSON body holds a lone UTF-16 surrogate (`"\\ud800"`): valid JSON, but no tokenizer
+    can encode it. Only bodies that spell a surrogate escape are walked."""
+    if b"\\ud" not in raw.lower():
+        return False
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def tools_field(body: dict) -> list[dict] | None:

@@ -801,24 +801,36 @@ def test_launch_server_in_process(tiny_model_dir):
         requests.get(f"{handle.url}/health", timeout=2)
 
 
-def test_received_weights_land_in_the_parameters_without_a_copy(ref_model):
+@pytest.mark.reliability(
+    "a broadcast weight update whose sender fails on the second tensor, or whose last tensor holds NaN",
+    "the model is left as it was (every tensor is received and checked before the first parameter is written)",
+)
+def test_received_weights_land_only_once_every_tensor_arrived_and_is_finite(ref_model):
     from slime.backends.cpu_engine import weights
 
     model = copy.deepcopy(ref_model)
     targets = weights.weight_targets(model)
     name_fp32, name_bf16 = list(targets)[:2]
-    storage = targets[name_fp32].data_ptr()
+    original = {name: targets[name].clone() for name in (name_fp32, name_bf16)}
     sent = {name_fp32: torch.randn(targets[name_fp32].shape), name_bf16: torch.randn(targets[name_bf16].shape)}
-    queue = [sent[name_fp32], sent[name_bf16].to(torch.bfloat16)]
-    seen = []
-
-    def receive(buffer):
-        seen.append(buffer.data_ptr())
-        buffer.copy_(queue.pop(0))
-
     layout = [(name_fp32, torch.float32, tuple(sent[name_fp32].shape)),
               (name_bf16, torch.bfloat16, tuple(sent[name_bf16].shape))]  # fmt: skip
-    weights.receive_named_tensors(targets, layout, receive)
-    assert seen[0] == storage  # received straight into the parameter
+
+    def sender(second):
+        queue = [sent[name_fp32], second]
+
+        def receive(buffer):
+            tensor = queue.pop(0)
+            if tensor is None:
+                raise ConnectionError("the sender died")
+            buffer.copy_(tensor)
+
+        return receive
+
+    for second, error in ((None, ConnectionError), (torch.full(sent[name_bf16].shape, float("nan")), ValueError)):
+        with pytest.raises(error):
+            weights.receive_named_tensors(targets, layout, sender(second))
+        assert all(torch.equal(targets[name], original[name]) for name in original)  # nothing written
+    weights.receive_named_tensors(targets, layout, sender(sent[name_bf16].to(torch.bfloat16)))
     assert torch.equal(targets[name_fp32], sent[name_fp32])
     assert torch.equal(targets[name_bf16], sent[name_bf16].to(torch.bfloat16).float())

@@ -3,17 +3,21 @@ keeps answering, and the engine serves the next ordinary request as before."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import openai
 import pytest
 import requests
+import torch
+from safetensors.torch import save_file
 from support.engines import engine_server
 
 from slime.backends.cpu_engine.engine import CpuEngine
 from slime.backends.cpu_engine.protocol import GenerationRequest
 from slime.backends.cpu_engine.sampling import SamplingParams
+from slime.utils.weight_transport import serialize_named_tensors
 
 API_KEY = "hostile-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -59,8 +63,7 @@ def ordinary_request_works(url: str) -> None:
 
 
 @pytest.mark.reliability(
-    "amplification: /v1/completions with 6000 one-token prompts and n=128 (a 30 KB body asking for 768k "
-    "generations)",
+    "amplification: /v1/completions with 6000 one-token prompts and n=128 (a 30 KB body asking for 768k generations)",
     "400 naming the product and --max-queued-requests before anything is built; /health answers throughout",
 )
 def test_a_call_asking_for_more_generations_than_the_queue_holds_is_refused_before_building(url):
@@ -150,3 +153,77 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(url):
             assert response.status_code == 400 and "past the context length" in response.text, (path, response.text)
     assert watch.probes and not watch.failures, watch.failures
     ordinary_request_works(url)
+
+
+@pytest.mark.reliability(
+    "a lone UTF-16 surrogate (\\ud800) in /generate text or a chat message, and 'tool_calls': 5 in a chat message",
+    "400 naming what is wrong (they were 500s)",
+)
+def test_lone_surrogates_and_malformed_tool_calls_get_400(url):
+    cases = [
+        ("/generate", b'{"text": "a \\ud800 b", "sampling_params": {"max_new_tokens": 1}}', "lone UTF-16 surrogate"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x\\udfff"}]}',
+            "lone UTF-16 surrogate",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "m", "max_tokens": 1, "messages": [{"role": "assistant", "content": "", "tool_calls": 5}]}',
+            "tool_calls must be a list",
+        ),
+    ]
+    for path, body, expected in cases:
+        response = requests.post(f"{url}{path}", data=body, headers=AUTH | {"Content-Type": "application/json"})
+        assert response.status_code == 400 and expected in response.text, (path, response.status_code, response.text)
+    # A surrogate pair is a real character (an emoji): accepted.
+    pair = b'{"text": "\\ud83d\\ude00", "sampling_params": {"max_new_tokens": 1}}'
+    assert requests.post(f"{url}/generate", data=pair, headers=AUTH).status_code == 200
+
+
+def greedy_ids(url: str) -> list[int]:
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    response = requests.post(f"{url}/generate", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["output_ids"]
+
+
+def load_from_disk(url: str, folder) -> requests.Response:
+    return requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(folder)}, headers=AUTH, timeout=60)
+
+
+@pytest.mark.reliability(
+    "/update_weights_from_disk of a folder holding a FIFO named a.safetensors, a text file named b.safetensors, or a "
+    "valid file beside one whose tensor is all NaN",
+    "400 naming the file (the FIFO froze the whole engine, the text file was a 500, the NaN tensor was applied); "
+    "the model is unchanged and /health answers throughout",
+)
+def test_disk_updates_read_only_regular_safetensors_files_and_refuse_non_finite_weights(url, tmp_path):
+    before = greedy_ids(url)
+    fifo_folder, junk_folder, nan_folder = (tmp_path / name for name in ("fifo", "junk", "nan"))
+    for folder in (fifo_folder, junk_folder, nan_folder):
+        folder.mkdir()
+    os.mkfifo(fifo_folder / "a.safetensors")
+    (junk_folder / "b.safetensors").write_text("not a safetensors file")
+    # The first file alone would change the answers; the second holds NaN: all or nothing.
+    save_file({"model.norm.weight": torch.zeros(64)}, nan_folder / "a.safetensors")
+    save_file({"model.embed_tokens.weight": torch.full((320, 64), float("nan"))}, nan_folder / "b.safetensors")
+    expected = {fifo_folder: "are not regular files", junk_folder: "is not a readable safetensors file",
+                nan_folder: "NaN or infinite values in ['model.embed_tokens.weight']"}  # fmt: skip
+    with HealthWatch(url) as watch:
+        for folder, message in expected.items():
+            response = load_from_disk(url, folder)
+            assert response.status_code == 400 and message in response.text, (folder.name, response.text)
+    assert watch.probes and not watch.failures, watch.failures
+    assert greedy_ids(url) == before
+
+
+def test_tensor_updates_refuse_non_finite_weights_and_change_nothing(url):
+    before = greedy_ids(url)
+    good = serialize_named_tensors([("model.norm.weight", torch.zeros(64))])
+    bad = serialize_named_tensors([("lm_head.weight", torch.full((320, 64), float("inf")))])
+    response = requests.post(
+        f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": [good, bad]}, headers=AUTH, timeout=60
+    )
+    assert response.status_code == 400 and "NaN or infinite values in ['lm_head.weight']" in response.text
+    assert greedy_ids(url) == before

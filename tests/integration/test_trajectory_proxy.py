@@ -310,3 +310,49 @@ def test_agent_flags_are_checked_at_parse_time():
     with pytest.raises(ArgumentValidationError, match="would template the prompt twice"):
         parse_args(BASE_ARGV + ["--agent-function-path", "a.agent", "--apply-chat-template"])
     assert parse_args(BASE_ARGV + ["--agent-function-path", "a.agent"]).max_turns == 8
+
+
+@pytest.mark.reliability(
+    "trajectory proxy: one session sends a 4 MB message (and one with a context limit sends 4 MB, or 100 KB of text "
+    "past its context) while another session asks a trivial turn",
+    "the trivial turn is answered at once (templating and tokenizing run off the event loop); the over-long ones get "
+    "413 body_too_large / 400 context_length_exceeded from their length, before any template or tokenizer runs",
+)
+def test_one_sessions_huge_message_never_holds_another_session(engine, tokenizer):
+    async def scenario():
+        proxy = TrajectoryProxy(tokenizer, api_key=API_KEY)
+        await proxy.start()
+        try:
+            huge = proxy.open_session([engine], sampling_params=SAMPLING)
+            small = proxy.open_session([engine], sampling_params=SAMPLING)
+            limited = proxy.open_session([engine], sampling_params=SAMPLING, context_limit=2048)
+
+            def client(session, timeout=120):
+                return openai.AsyncOpenAI(base_url=proxy.base_url(session.session_id), api_key="any", max_retries=0,
+                                          timeout=timeout)  # fmt: skip
+
+            big_text = "word " * (4 * 2**20 // 5)
+            flood = asyncio.create_task(
+                client(huge).chat.completions.create(model="m", messages=[{"role": "user", "content": big_text}])
+            )
+            await asyncio.sleep(0.2)  # the flood's body is in
+            # 5 s: before the fix the trivial turn waited 10.3 s behind a 4 MB message's templating.
+            reply = await client(small, timeout=5).chat.completions.create(model="m", messages=FIRST_MESSAGES)
+            assert reply.choices[0].message is not None
+            with pytest.raises(openai.APIStatusError) as flooded:
+                await flood
+            assert flooded.value.status_code == 400  # the engine's own length check, past the proxy
+            with pytest.raises(openai.APIStatusError) as too_large:
+                await client(limited).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": big_text}]
+                )
+            assert too_large.value.status_code == 413 and "body_too_large" in str(too_large.value.body)
+            with pytest.raises(openai.BadRequestError, match="context_length_exceeded|more than a context"):
+                long_text = "word " * 20_000
+                await client(limited).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": long_text}]
+                )
+        finally:
+            await proxy.stop()
+
+    asyncio.run(scenario())

@@ -23,7 +23,7 @@ from slime.ray import driver
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.utils import run_dir
 from slime.utils.arguments import ArgumentValidationError, parse_args
-from slime.utils.atomic_dir import MARKER
+from slime.utils.atomic_dir import MARKER, atomic_write_text, remove_leftovers
 from slime.utils.tracking import Tracker
 
 
@@ -273,3 +273,22 @@ def test_metrics_hold_each_rollout_once_after_resume(tmp_path):
     assert [row["rollout_id"] for row in rows] == [0, 1, 2, 3, 4, 5]
     assert rows[0] == {"rollout_id": 0, "eval/addition": 0.1, "rollout/reward": 0.0}
     assert [row["rollout/reward"] for row in rows] == [0.0, 1.0, 2.0, 13.0, 14.0, 15.0]
+
+
+@pytest.mark.reliability(
+    "a user's file named exactly like an interrupted slime write (.latest_checkpointed_iteration.txt.slime-tmp-<dead "
+    "pid>) beside a file slime rewrites",
+    "kept, byte for byte: only marked folders count as slime's leftovers, and slime's own temporary files have fresh "
+    "random names created exclusively",
+)
+def test_a_user_file_named_like_a_slime_temporary_is_never_removed_or_overwritten(tmp_path):
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    users = tmp_path / f".{tracker.name}.slime-tmp-{dead_pid()}"
+    users.write_text("my notes")
+    remove_leftovers(tracker)
+    atomic_write_text(tracker, "3")
+    atomic_write_text(tracker, "4")
+    assert users.read_text() == "my notes"
+    assert tracker.read_text() == "4" and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [tracker.name, users.name]
+    )

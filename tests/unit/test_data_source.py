@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from argparse import Namespace
 
 import numpy as np
@@ -16,6 +17,7 @@ from slime.rollout.data_source import (
     compute_num_rollout,
     pop_first,
 )
+from slime.utils.misc import load_tokenizer_without_model_code
 from slime.utils.types import Sample, Status
 
 
@@ -348,3 +350,25 @@ def test_load_keeps_the_checkpoint_shuffle_seed(tmp_path, caplog):
         resumed.load()
     assert "--rollout-seed 99 differs from the checkpoint's 1" in caplog.text
     assert prompts_of(resumed.get_samples(20)) == expected
+
+
+@pytest.mark.reliability(
+    "an --hf-checkpoint whose tokenizer_config.json auto_map names a .py of the folder (that writes a file when run)",
+    "ValueError naming the folder and saying slime runs no code from model folders; the .py never runs",
+)
+def test_a_tokenizer_that_needs_its_folders_code_is_refused_without_running_it(tiny_model_dir, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config |= {"auto_map": {"AutoTokenizer": [None, "evil.EvilTokenizer"]}, "tokenizer_class": "EvilTokenizer"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ran = tmp_path / "ran"
+    (folder / "evil.py").write_text(
+        f"open({str(ran)!r}, 'w').write('x')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    with pytest.raises(
+        ValueError, match="needs code from its own folder .* slime does not run code from model folders"
+    ):
+        load_tokenizer_without_model_code(str(folder))
+    assert not ran.exists()

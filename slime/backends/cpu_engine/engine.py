@@ -287,7 +287,7 @@ class CpuEngine:
         receive: Callable[[torch.Tensor], None],
         weight_version: str | None = None,
     ) -> concurrent.futures.Future[str]:
-        """Receive (name, dtype, shape) tensors straight into the model between two steps (a broadcast's
+        """Receive (name, dtype, shape) tensors into the model between two steps, all or nothing (a broadcast's
         `receive(buffer)` per tensor); the future holds the new version."""
 
         def run() -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from slime.backends.cpu_engine.sampling import SamplingParams
 from slime.utils.moe_routing import encode_routed_experts
+from slime.utils.openai_protocol import max_token_chars
 
 
 class RequestError(ValueError):
@@ -283,17 +283,6 @@ def parse_generate_request(
             )
         )
     return requests, is_batch
-
-
-_MAX_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def max_token_chars(tokenizer) -> int:
-    """Most characters of text one token of `tokenizer` stands for, bounded by its longest vocabulary entry (a
-    byte-level entry spells its bytes, at least as many as the characters they make). Computed once per tokenizer."""
-    if tokenizer not in _MAX_TOKEN_CHARS:
-        _MAX_TOKEN_CHARS[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
-    return _MAX_TOKEN_CHARS[tokenizer]
 
 
 def check_text_fits(text: str, tokenizer, context_length: int, where: str) -> None:

@@ -74,6 +74,7 @@ from slime.backends.cpu_engine.protocol import (
 )
 from slime.backends.cpu_engine.sampling import SamplingParams
 from slime.utils import weight_transport
+from slime.utils.openai_protocol import lone_surrogate
 
 logger = logging.getLogger(__name__)
 
@@ -299,11 +300,14 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 
 def _parse_json(raw: bytes, path: str) -> Any:
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except RecursionError:
         raise RequestError(f"the body of {path} is nested too deeply to parse") from None
     except ValueError as error:  # JSONDecodeError, bad UTF-8, integers longer than Python converts
         raise RequestError(f"the body of {path} is not valid JSON: {error}") from None
+    if lone_surrogate(raw, body):
+        raise RequestError(f"the body of {path} holds a lone UTF-16 surrogate (e.g. \\ud800), which is no text")
+    return body
 
 
 async def _json_body(request: web.Request, limit: int = CONTROL_MAX_BODY_BYTES) -> dict[str, Any]:
@@ -714,7 +718,7 @@ async def update_weights_from_distributed(request: web.Request) -> dict:
     def receive(buffer: torch.Tensor) -> None:
         dist.broadcast(buffer, src=0, group=group)
 
-    # Received on the engine's worker thread between steps, straight into the parameters.
+    # Received on the engine's worker thread between steps, checked, then copied into the parameters.
     layout = [(name, dtype, tuple(shape)) for name, dtype, shape in zip(names, torch_dtypes, shapes)]
     new_version = await asyncio.wrap_future(engine.receive_weights(layout, receive, version))
     return {"message": f"updated {len(names)} tensors", "weight_version": new_version}

@@ -8,6 +8,7 @@ way) are in `slime.utils.weight_transport`, shared with the trainers that send.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,14 +102,31 @@ def check_names_and_shapes(
         raise ValueError("weight update rejected, nothing was changed: " + " and ".join(problems))
 
 
-@torch.no_grad()
-def copy_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Check all names, shapes and dtype kinds, then copy each tensor into the parameter of that name (casting dtype)."""
+def check_finite(named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise ValueError naming the floating-point tensors that hold a NaN or an infinity (no trained model does: such
+    an update would only make every later sample garbage), before anything is written."""
+    bad = [name for name, t in named_tensors if t.dtype.is_floating_point and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(
+            f"weight update rejected, nothing was changed: NaN or infinite values in {bad[:8]}"
+            f"{' ...' if len(bad) > 8 else ''}"
+        )
+
+
+def check_update(targets: dict[str, torch.Tensor], named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Every check an update passes before its first tensor is written: names, shapes, dtype kinds, finite values."""
     check_names_and_shapes(
         targets,
         {name: tuple(tensor.shape) for name, tensor in named_tensors},
         {name: tensor.dtype.is_floating_point for name, tensor in named_tensors},
     )
+    check_finite(named_tensors)
+
+
+@torch.no_grad()
+def copy_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Check the whole update (`check_update`), then copy each tensor into the parameter of that name (casting dtype)."""
+    check_update(targets, named_tensors)
     for name, tensor in named_tensors:
         targets[name].copy_(tensor)
 
@@ -120,11 +138,7 @@ def adopt_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tu
     For tensors that stay valid and unchanged until a later update replaces them (views into a trainer's
     shared memory that it leaves alone while the engine holds it). Buffers and other dtypes are copied.
     """
-    check_names_and_shapes(
-        targets,
-        {name: tuple(tensor.shape) for name, tensor in named_tensors},
-        {name: tensor.dtype.is_floating_point for name, tensor in named_tensors},
-    )
+    check_update(targets, named_tensors)
     for name, tensor in named_tensors:
         target = targets[name]
         if isinstance(target, torch.nn.Parameter) and target.dtype == tensor.dtype:
@@ -150,13 +164,14 @@ def receive_named_tensors(
 ) -> None:
     """Fill the named parameters with tensors that `receive(buffer)` writes, one per `layout` entry, in order.
 
-    Names, shapes and dtype kinds are all checked before the first tensor is received. A transport
-    failure halfway (the sender died) leaves the parameters received so far written. A tensor of the parameter's own dtype is received straight into the parameter, so an update
-    needs no second copy of the weights. Every tensor is received even when the update is
-    rejected (the sender's collectives would hang otherwise); then nothing is written.
+    Names, shapes and dtype kinds are all checked before the first tensor is received. Every tensor is received
+    into a buffer of its own and checked (`check_finite`) before any parameter is written, so a transport failure
+    halfway (the sender died) or a NaN in the last tensor leaves the model as it was; the price is a second copy
+    of the weights for the length of the update. Every tensor is received even when the update is rejected (the
+    sender's collectives would hang otherwise).
 
     Raises:
-        ValueError: naming every unknown name or wrong shape (after receiving everything).
+        ValueError: naming every unknown name, wrong shape or non-finite tensor (after receiving everything).
     """
     try:
         check_names_and_shapes(
@@ -167,34 +182,46 @@ def receive_named_tensors(
     except ValueError:
         drain_named_tensors(layout, receive)
         raise
+    received = []
     for name, dtype, shape in layout:
-        target = targets[name]
-        if target.dtype == dtype and target.is_contiguous():
-            receive(target)
-        else:
-            buffer = torch.empty(shape, dtype=dtype)
-            receive(buffer)
-            target.copy_(buffer)
+        buffer = torch.empty(shape, dtype=dtype)
+        receive(buffer)
+        received.append((name, buffer))
+    check_finite(received)
+    for name, buffer in received:
+        targets[name].copy_(buffer)
 
 
 def safetensors_files(model_path: str | Path) -> list[Path]:
     """The `*.safetensors` files of a HF folder (or the file itself); ValueError naming the path when none."""
     path = Path(model_path)
-    if path.is_file() and path.suffix == ".safetensors":
-        return [path]
-    if not path.is_dir():
-        raise ValueError(f"model_path {str(model_path)!r} is neither a directory nor a .safetensors file")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model_path {str(model_path)!r} holds no *.safetensors files")
+    files = [path] if path.suffix == ".safetensors" and not path.is_dir() else None
+    if files is None:
+        if not path.is_dir():
+            raise ValueError(f"model_path {str(model_path)!r} is neither a directory nor a .safetensors file")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model_path {str(model_path)!r} holds no *.safetensors files")
+    # Only regular files are opened: a FIFO or a device named *.safetensors would block the engine in open().
+    odd = [str(f) for f in files if not (f.exists() and stat.S_ISREG(f.stat().st_mode))]
+    if odd:
+        raise ValueError(f"model_path {str(model_path)!r}: {odd[:4]} are not regular files; only those are read")
     return files
+
+
+def _read_header(file: Path):
+    """`safe_open(file)`, with a file that is no safetensors file named in a ValueError (it is the caller's)."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as error:  # SafetensorError: bad header, truncated, not safetensors at all
+        raise ValueError(f"{file} is not a readable safetensors file ({error})") from None
 
 
 def safetensors_names(model_path: str | Path) -> set[str]:
     """Names of all tensors stored under `model_path` (read from the headers only)."""
     names: set[str] = set()
     for file in safetensors_files(model_path):
-        with safe_open(file, framework="pt") as reader:
+        with _read_header(file) as reader:
             names.update(reader.keys())
     return names
 
@@ -203,7 +230,7 @@ def safetensors_names(model_path: str | Path) -> set[str]:
 def load_safetensors_folder(targets: dict[str, torch.Tensor], model_path: str | Path) -> set[str]:
     """Copy every tensor of a HF safetensors folder (or one file) into the parameter of the same name.
 
-    Names and shapes are all checked first, so a bad folder changes nothing.
+    Names, shapes and values are all checked first, so a bad folder changes nothing.
 
     Returns:
         The names that were loaded.
@@ -211,16 +238,22 @@ def load_safetensors_folder(targets: dict[str, torch.Tensor], model_path: str | 
     files = safetensors_files(model_path)
     shapes, float_kinds = {}, {}
     for file in files:
-        with safe_open(file, framework="pt") as reader:
+        with _read_header(file) as reader:
             for name in reader.keys():
                 header = reader.get_slice(name)
                 shapes[name] = tuple(header.get_shape())
                 float_kinds[name] = header.get_dtype().startswith(("F", "BF"))  # F32, F16, BF16, F8_E4M3, ...
     check_names_and_shapes(targets, shapes, float_kinds)
+    loaded = []  # every tensor read and checked before the first parameter is written
     for file in files:
-        with safe_open(file, framework="pt") as reader:
-            for name in reader.keys():
-                targets[name].copy_(reader.get_tensor(name))
+        with _read_header(file) as reader:
+            try:
+                loaded += [(name, reader.get_tensor(name)) for name in reader.keys()]
+            except Exception as error:  # a tensor past the end of a truncated file
+                raise ValueError(f"{file}: cannot read its tensors ({error}); nothing was changed") from None
+    check_finite(loaded)
+    for name, tensor in loaded:
+        targets[name].copy_(tensor)
     return set(shapes)
 
 
