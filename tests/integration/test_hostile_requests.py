@@ -227,3 +227,26 @@ def test_tensor_updates_refuse_non_finite_weights_and_change_nothing(url):
     )
     assert response.status_code == 400 and "NaN or infinite values in ['lm_head.weight']" in response.text
     assert greedy_ids(url) == before
+
+
+@pytest.mark.reliability(
+    "/init_weights_update_group naming a listener that accepts no connection, with timeout 2",
+    "an error naming the group, the address and the timeout after about 2 s (it used to wait for ever); /health "
+    "answers throughout",
+)
+def test_a_weight_group_join_ends_at_its_timeout(url):
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # never accept()ed
+    body = {"master_address": "127.0.0.1", "master_port": listener.getsockname()[1], "rank_offset": 1,
+            "world_size": 2, "group_name": "stalled", "backend": "gloo", "timeout": 2}  # fmt: skip
+    try:
+        with HealthWatch(url) as watch:
+            response = requests.post(f"{url}/init_weights_update_group", json=body, headers=AUTH, timeout=60)
+    finally:
+        listener.close()
+    assert response.status_code in (500, 504), response.text
+    assert "could not join weight update group 'stalled'" in response.text and "within 2s" in response.text
+    assert watch.probes and not watch.failures

@@ -678,9 +678,18 @@ async def init_weights_update_group(request: web.Request) -> str:
     wait = _in_daemon_thread(join, name=f"join-{group_name}")
     state["join_waits"].add(wait)
     try:
-        await wait
+        # torch's store can wait past its own timeout (a listener that never answers): the call ends at `timeout`
+        # whatever the thread does. A join that ends later still registers its group.
+        await asyncio.wait_for(asyncio.shield(wait), timeout + 1.0)
     except RequestError:
         raise
+    except TimeoutError:
+        raise RequestError(
+            f"could not join weight update group {group_name!r} at {master_address}:{master_port} within "
+            f"{timeout:g}s (rank {rank_offset} of {world_size}): no answer from the store; check that the trainer's "
+            "rank 0 listens there and is joining too (this name stays taken until the stalled join ends)",
+            status=504,
+        ) from None
     except Exception as error:
         raise RequestError(
             f"could not join weight update group {group_name!r} at {master_address}:{master_port} within "
