@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 # A long conversation is one JSON body; aiohttp's default limit is 1 MiB.
 _MAX_BODY_BYTES = 256 * 2**20
-_PARSE_OFF_LOOP_BYTES = 256 * 2**10  # below it the thread hop costs more than the parse
 
 
 class ProxyError(oai.OpenAIError):
@@ -249,7 +248,7 @@ class TrajectoryProxy:
         raw = await _read_body(request, _body_limit(session, self.tokenizer))
         try:
             # Parsed off the event loop: a session's large body must not hold another session's turn.
-            body = await asyncio.to_thread(json.loads, raw) if len(raw) > _PARSE_OFF_LOOP_BYTES else json.loads(raw)
+            body = await asyncio.to_thread(json.loads, raw) if len(raw) > oai.PARSE_OFF_LOOP_BYTES else json.loads(raw)
         except (ValueError, RecursionError):
             raise ProxyError(400, "the request body is not JSON", "invalid_json") from None
         if not isinstance(body, dict):
@@ -269,10 +268,9 @@ class TrajectoryProxy:
         return web.json_response(completion)
 
     def _prompt_tokens(
-        self, session: Session, messages: list[dict], keys: list[tuple], start: int, tools, body: dict
+        self, session: Session, messages: list[dict], keys: list[tuple], start: int, tools, template_kwargs
     ) -> tuple[list[int], list[int]]:
         """(the turn's prompt ids, the ids this request adds to the session's tokens); runs on a worker thread."""
-        template_kwargs = body.get("chat_template_kwargs")
         if not session.turns:
             return prompt_ids(self.tokenizer, messages, tools, template_kwargs), []
         for i in range(start, len(messages)):
@@ -313,7 +311,9 @@ class TrajectoryProxy:
                 )
         # Templating and tokenizing run off the event loop: one session's long turn never holds another's.
         try:
-            prompt, context = await asyncio.to_thread(self._prompt_tokens, session, messages, keys, start, tools, body)
+            prompt, context = await asyncio.to_thread(
+                self._prompt_tokens, session, messages, keys, start, tools, template_kwargs
+            )
         except ChatTemplateError as error:
             raise ProxyError(400, str(error), "invalid_value", "messages") from None
 

@@ -20,6 +20,8 @@ from slime.utils.tool_calls import ToolCall, parse_tool_calls
 
 MAX_TEMPERATURE = 2.0
 MAX_CHOICES = 128
+# Bodies above this are parsed on a worker thread; below it the thread hop costs more than the parse.
+PARSE_OFF_LOOP_BYTES = 256 * 2**10
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1 - MAX_CHOICES
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -164,7 +166,7 @@ def max_token_chars(tokenizer) -> int:
 def lone_surrogate(raw: bytes, body: Any) -> bool:
     """Whether a decoded JSON body holds a lone UTF-16 surrogate (`"\\ud800"`): valid JSON, but no tokenizer
     can encode it. Only bodies that spell a surrogate escape are walked."""
-    if b"\\ud" not in raw.lower():
+    if b"\\ud" not in raw and b"\\uD" not in raw:  # no copy of the body: it may be 16 MiB
         return False
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")

@@ -450,9 +450,8 @@ def add_routes(
         streaming, include_usage = oai.stream_fields(body)
         logprobs = oai.bool_field(body, "logprobs")
         top_logprobs = _top_logprobs(body, logprobs)
-        prompt = await asyncio.to_thread(
-            _chat_prompt, engine, messages, tools
-        )  # templating and tokenizing: off the loop
+        # Templating and tokenizing take a while on a long conversation: off the event loop.
+        prompt = await asyncio.to_thread(_chat_prompt, engine, messages, tools)
         requests = _build_requests(engine, [prompt], params, n, seed, logprobs)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",

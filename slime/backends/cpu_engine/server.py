@@ -74,7 +74,7 @@ from slime.backends.cpu_engine.protocol import (
 )
 from slime.backends.cpu_engine.sampling import SamplingParams
 from slime.utils import weight_transport
-from slime.utils.openai_protocol import lone_surrogate
+from slime.utils.openai_protocol import PARSE_OFF_LOOP_BYTES, lone_surrogate
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,6 @@ VERSION = "slime-cpu-engine 0.1.0"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 GENERATE_MAX_BODY_BYTES = 16 * 2**20
 CONTROL_MAX_BODY_BYTES = 64 * 2**20
-# Bodies above this are parsed on a worker thread; below it the thread hop costs more than the parse.
-PARSE_OFF_LOOP_BYTES = 256 * 2**10
 JOIN_TIMEOUT_S = 60.0
 # A SIGTERM waits this long for open requests (all aborted first) before it cancels them.
 SHUTDOWN_TIMEOUT_S = 3.0
@@ -688,7 +686,7 @@ async def init_weights_update_group(request: web.Request) -> str:
             f"could not join weight update group {group_name!r} at {master_address}:{master_port} within "
             f"{timeout:g}s (rank {rank_offset} of {world_size}): no answer from the store; check that the trainer's "
             "rank 0 listens there and is joining too (this name stays taken until the stalled join ends)",
-            status=504,
+            status=500,  # as when torch's store gives up first: under load either may end the wait
         ) from None
     except Exception as error:
         raise RequestError(

@@ -195,13 +195,14 @@ def receive_named_tensors(
 def safetensors_files(model_path: str | Path) -> list[Path]:
     """The `*.safetensors` files of a HF folder (or the file itself); ValueError naming the path when none."""
     path = Path(model_path)
-    files = [path] if path.suffix == ".safetensors" and not path.is_dir() else None
-    if files is None:
-        if not path.is_dir():
-            raise ValueError(f"model_path {str(model_path)!r} is neither a directory nor a .safetensors file")
+    if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model_path {str(model_path)!r} holds no *.safetensors files")
+    elif path.suffix == ".safetensors":
+        files = [path]  # checked below like a folder's files
+    else:
+        raise ValueError(f"model_path {str(model_path)!r} is neither a directory nor a .safetensors file")
     # Only regular files are opened: a FIFO or a device named *.safetensors would block the engine in open().
     odd = [str(f) for f in files if not (f.exists() and stat.S_ISREG(f.stat().st_mode))]
     if odd:
