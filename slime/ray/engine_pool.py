@@ -89,21 +89,21 @@ class EnginePool:
 
     def _start(self) -> None:
         args = self.args
-        self.router = start_router(args)
         external = args.rollout_external_engine_addrs
-        # Engines the user started are only routed to and given weights, through plain clients.
-        if external:
-            self.engines = [self._client(url) for url in external]
-        else:
-            num_engines = max(1, len(self.rollout_slice) // args.rollout_num_gpus_per_engine)
-            self.engines = [self._create_engine(rank) for rank in range(num_engines)]
         try:
+            # Engines the user started are only routed to and given weights, through plain clients.
+            if external:
+                self.engines = [self._client(url) for url in external]
+            else:
+                # The engines' processes (seconds of imports and a model load) start before the router (under one).
+                num_engines = max(1, len(self.rollout_slice) // args.rollout_num_gpus_per_engine)
+                self.engines = [self._create_engine(rank) for rank in range(num_engines)]
+                started = [engine.start.remote(timeout=args.rollout_engine_start_timeout) for engine in self.engines]
+            self.router = start_router(args)
             if external:
                 self.engine_urls = wait_for_external_engines(external, args.rollout_engine_start_timeout)
             else:
-                self.engine_urls = ray.get(
-                    [engine.start.remote(timeout=args.rollout_engine_start_timeout) for engine in self.engines]
-                )
+                self.engine_urls = ray.get(started)
             for url in self.engine_urls:
                 add_worker(self.router.url, url, api_key=engine_api_key(args))
             wait_for_workers(self.router.url, self.engine_urls, timeout=args.rollout_engine_start_timeout)

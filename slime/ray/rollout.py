@@ -28,7 +28,7 @@ from slime.ray.engine_pool import wait_for_external_engines as wait_for_external
 from slime.ray.placement_group import PlacementSlice
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import compute_num_rollout
-from slime.rollout.rm_hub import pop_reward_metrics
+from slime.rollout.rm_hub import pop_reward_metrics, start_reward_workers
 from slime.utils import progress as rollout_progress
 from slime.utils.misc import load_function
 from slime.utils.run_context import RunContext, expose_to_plugins
@@ -248,6 +248,7 @@ class RolloutManager:
         self.trainer_weight_version: int | None = None
         if not args.debug_train_only:
             self.engine_pool.start_in_background()  # whatever needs the engines waits for them (`wait_for_engines`)
+            start_reward_workers(args)  # in the background too
         self.data_source = load_function(args.data_source_path)(args)
         # --num-rollout wins over --num-epoch (validation warns of both).
         num_rollout = (

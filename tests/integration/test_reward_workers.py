@@ -8,7 +8,7 @@ from argparse import Namespace
 
 import pytest
 
-from slime.rollout.rm_hub import async_rm, pop_reward_metrics
+from slime.rollout.rm_hub import async_rm, pop_reward_metrics, start_reward_workers
 from slime.rollout.rm_hub.reward_workers import RewardWorkerError, get_reward_pool, shutdown_reward_workers
 from slime.utils.types import Sample
 
@@ -152,6 +152,27 @@ def test_an_error_inside_the_worker_is_reported_with_its_traceback():
     (pid,) = pool.pids()
     assert asyncio.run(pool.grade("math", "\\boxed{1}", "1", timeout=30.0)) == 1.0
     assert pool.pids() == [pid]
+
+
+def test_workers_start_before_the_first_answer_and_then_grade_it():
+    # A custom reward function or a non-rule-based type needs no workers: none start.
+    start_reward_workers(Namespace(rm_type="math", custom_rm_path="my.reward", rm_num_workers=2))
+    start_reward_workers(Namespace(rm_type="remote_rm", custom_rm_path=None, rm_num_workers=2))
+    time.sleep(0.5)
+    assert get_reward_pool(2).pids() == []
+
+    start_reward_workers(Namespace(rm_type="math", custom_rm_path=None, rm_num_workers=2))
+    deadline = time.monotonic() + 60
+    while len(get_reward_pool(2).pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    started = set(get_reward_pool(2).pids())
+    assert len(started) == 2
+
+    async def grade_two():
+        return await asyncio.gather(*(get_reward_pool(2).grade("math", "\\boxed{2}", "2", 30.0) for _ in range(2)))
+
+    rewards = asyncio.run(grade_two())
+    assert rewards == [1.0, 1.0] and set(get_reward_pool(2).pids()) == started  # the answers used those workers
 
 
 @pytest.mark.reliability("--rm-timeout-secs 0 or --rm-num-workers 0", "ValueError naming the flag")

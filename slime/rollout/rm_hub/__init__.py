@@ -54,6 +54,7 @@ __all__ = [
     "batched_async_rm",
     "pop_reward_metrics",
     "resolve_rm_type",
+    "start_reward_workers",
 ]
 
 # Each takes (response, label, metadata).
@@ -118,6 +119,21 @@ async def _builtin_reward(args, sample: Sample, base_type: str, boxed: bool) -> 
     except (GradingTimeout, GradingCrash) as error:
         logger.warning("sample index %s scored as wrong: %s", sample.index, error)
         return UNGRADED_REWARDS.get(base_type, lambda response: 0.0)(response)
+
+
+def start_reward_workers(args) -> None:
+    """Start the worker processes now if `args` grade with a built-in rule-based reward (`--rm-type`, no
+    `--custom-rm-path`), so that the first rollout does not wait for their start-up."""
+    rm_type = (getattr(args, "rm_type", None) or "").strip()
+    if getattr(args, "custom_rm_path", None) or not rm_type:
+        return
+    try:
+        base_type, _ = resolve_rm_type(rm_type)
+    except ValueError:
+        return  # the first answer raises it, where the rollout reports it
+    if base_type in RULE_BASED_REWARDS:
+        num_workers = getattr(args, "rm_num_workers", None)
+        get_reward_pool(DEFAULT_NUM_WORKERS if num_workers is None else num_workers).start()
 
 
 async def async_rm(args, sample: Sample, **kwargs) -> float | dict:

@@ -216,6 +216,22 @@ class RewardWorkerPool:
         finally:
             self._slots.put(worker if worker is not None and worker.alive() else None)
 
+    def start(self) -> None:
+        """Start every worker now, in the background, rather than at the first answers (a worker's imports take
+        seconds, which the first rollout would otherwise wait for)."""
+        for _ in range(self.num_workers):
+            self._threads.submit(self._start_idle_worker)
+
+    def _start_idle_worker(self) -> None:
+        worker = self._slots.get()
+        try:
+            if worker is None and not self._closed:
+                worker = self._start_worker()
+        except RewardWorkerError:
+            pass  # the first answer starts one again and raises the error where it is awaited
+        finally:
+            self._slots.put(worker)
+
     def _start_worker(self) -> _Worker:
         worker = _Worker()
         with self._lock:
