@@ -59,6 +59,11 @@ def engine_failover_window(args: argparse.Namespace) -> float:
     )
 
 
+# Engine processes get their key from this environment variable, not their command line: /proc/<pid>/cmdline is
+# readable by every local user, /proc/<pid>/environ only by the job's own.
+ENGINE_API_KEY_ENV = "SLIME_ENGINE_API_KEY"
+
+
 def engine_api_key(args: argparse.Namespace) -> str | None:
     """The key engines require (`--sglang-api-key`), or None when they take requests without one."""
     options = getattr(args, "sglang_server_args", None) or {}

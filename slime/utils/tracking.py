@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from slime.utils.atomic_dir import atomic_write_text
+from slime.utils.engine_args import engine_api_key
 
 logger = logging.getLogger("slime")
 
@@ -201,12 +202,13 @@ def init_wandb(args, start_rollout_id: int):
     run_id = wandb_run_id(args, start_rollout_id)
     if args.wandb_dir:
         os.makedirs(args.wandb_dir, exist_ok=True)  # wandb falls back to a temporary folder without it
-    # The key goes to wandb's login only: not into the config, nor into the command line (sys.argv), both of
-    # which wandb stores with the run.
+    # The key goes to wandb's login only: neither it nor the engines' key goes into the config or the command line
+    # (sys.argv), both of which wandb stores with the run.
     credentials = {"api_key": args.wandb_key, "base_url": args.wandb_host}
     argv = sys.argv
-    if args.wandb_key:
-        sys.argv = [arg.replace(args.wandb_key, "<redacted>") for arg in argv]
+    for secret in (args.wandb_key, engine_api_key(args)):
+        if secret:
+            sys.argv = [arg.replace(secret, "<redacted>") for arg in sys.argv]
     try:
         run = wandb.init(
             project=args.wandb_project or os.environ.get("WANDB_PROJECT") or "slime",
@@ -217,7 +219,7 @@ def init_wandb(args, start_rollout_id: int):
             mode=args.wandb_mode,
             id=run_id,
             resume=None if os.environ.get("WANDB_RESUME") else "allow",
-            config={k: v for k, v in vars(args).items() if k != "wandb_key"},
+            config=run_config(args),
             settings=wandb.Settings(**{k: v for k, v in credentials.items() if v is not None}),
         )
     except wandb.errors.UsageError as error:
@@ -231,6 +233,18 @@ def init_wandb(args, start_rollout_id: int):
         Path(args.save).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.save) / WANDB_RUN_ID_FILE, run.id + "\n")
     return run
+
+
+def run_config(args) -> dict:
+    """`args` as the trackers store them: without the wandb key, and with the engine and router keys masked."""
+    config = {k: v for k, v in vars(args).items() if k != "wandb_key"}
+    if config.get("sglang_api_key"):
+        config["sglang_api_key"] = "<redacted>"
+    for name in ("sglang_server_args", "router_args"):
+        options = config.get(name)
+        if isinstance(options, dict) and ({"api_key", "api-key"} & options.keys()):
+            config[name] = {k: "<redacted>" if k in ("api_key", "api-key") else v for k, v in options.items()}
+    return config
 
 
 def tensorboard_dir(args) -> str:

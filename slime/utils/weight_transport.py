@@ -15,20 +15,19 @@ SGLang's conventions so a trainer never needs to know which one it talks to). No
   of no tensors to learn that list and writes only segments outside it, so it costs one copy; the two
   segments of a chunk alternate while the engine keeps its weights in one of them (with --offload-rollout the
   engine reloads its weights into memory of its own before each push, and one set is reused). No pickle is
-  involved. The segments are unlinked when the trainer exits (atexit, or Python's resource
+  involved. A segment's name carries the job's tag (`segment_tag`, from the engines' API key), and a
+  receiver with a key maps only segments with its own tag, regular files of its own user, at their size. The segments are unlinked when the trainer exits (atexit, or Python's resource
   tracker after a SIGKILL); an engine keeps the memory of the ones its weights live in until the next push
   replaces them, and drops its other mappings of unlinked segments at its next push.
-- Same host, CUDA tensors (SGLang, or platforms without /dev/shm): `serialize_named_tensors` pickles
-  (name, tensor) pairs with torch's shared-memory reductions and base64-encodes them, the form SGLang's
-  `MultiprocessingSerializer` produces for `serialized_named_tensors`. CPU tensors go through
-  named shared memory under torch's `file_system` sharing strategy: the default
-  `file_descriptor` strategy passes descriptors over a socket that only a parent and the
-  children it forked share, while a named segment can be opened by any process on the host.
-  CUDA tensors travel as CUDA IPC handles. `deserialize_named_tensors` maps the segments. The
-  payload is a pickle, so it is read by a restricted unpickler that resolves only the few torch
-  rebuild functions and types `serialize_named_tensors` writes (`ALLOWED_PICKLE_GLOBALS`) and
-  refuses any other global before building anything. Mapping a handle still trusts the sender
-  with memory on this host: keep engines on loopback or behind an API key.
+- Same host, CUDA tensors (SGLang): `serialize_named_tensors` pickles (name, tensor) pairs with torch's
+  reductions and base64-encodes them, the form SGLang's `MultiprocessingSerializer` produces for
+  `serialized_named_tensors`: CUDA tensors travel as CUDA IPC handles. CPU tensors (small pushes, tests,
+  hosts without /dev/shm) travel by value inside the pickle, never as the name of a file: torch's own
+  file-system reduction would let a payload name any /dev/shm file, and a socket, for the receiver to open,
+  grow and map. The payload is a pickle, so it is read by a restricted unpickler that resolves only the few
+  globals `serialize_named_tensors` writes (`ALLOWED_PICKLE_GLOBALS`) and refuses any other before building
+  anything. Mapping a CUDA handle still trusts the sender with memory on this host, which is why every
+  engine slime starts requires the job's API key.
 - Any host (`/init_weights_update_group` + `/update_weights_from_distributed`): trainer rank 0
   and every engine rank call `init_process_group_like_sglang` with the same address, port and
   group name, forming a small world of their own next to (not inside) any default process
@@ -42,6 +41,7 @@ import base64
 import binascii
 import contextlib
 import datetime
+import hashlib
 import io
 import json
 import math
@@ -52,7 +52,7 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.reduction import ForkingPickler
@@ -63,24 +63,43 @@ import torch.distributed as dist
 import torch.multiprocessing
 from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
+# torch.<name> -> dtype, e.g. "bfloat16" -> torch.bfloat16.
+_DTYPES = {str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+_MAX_DIM = 2**40
 
-@contextlib.contextmanager
-def _file_system_sharing() -> Iterator[None]:
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        torch.multiprocessing.set_sharing_strategy(previous)
+
+def _tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A CPU tensor `serialize_named_tensors` carried by value; checks that `data` holds exactly that tensor."""
+    if not isinstance(data, bytes) or dtype not in _DTYPES or not isinstance(shape, list | tuple):
+        raise ValueError(f"a by-value tensor needs bytes, a torch dtype name and a shape, got dtype {dtype!r}")
+    if not all(isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim <= _MAX_DIM for dim in shape):
+        raise ValueError(f"a by-value tensor's shape must be non-negative integers, got {shape!r}")
+    torch_dtype = _DTYPES[dtype]
+    expected = math.prod(shape) * torch_dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(f"a {dtype} tensor of shape {list(shape)} is {expected} bytes, the payload holds {len(data)}")
+    if expected == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch_dtype).view(shape)  # bytearray: a writable copy
+
+
+class _NamedTensorPickler(ForkingPickler):
+    """torch's reductions for CUDA tensors (IPC handles); CPU tensors by value (`_tensor_from_bytes`)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and not obj.is_cuda:
+            flat = obj.detach().contiguous().reshape(-1)
+            data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            return _tensor_from_bytes, (data, str(obj.dtype).removeprefix("torch."), list(obj.shape))
+        return NotImplemented
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """Base64 pickle of (name, tensor) pairs whose storage another process on this host can map.
+    """Base64 pickle of (name, tensor) pairs for an engine on this host.
 
-    CPU tensors are copied into fresh shared-memory segments first, so the receiver never
-    aliases live trainer memory; CUDA tensors are sent as IPC handles of their storage. Pickling
-    takes a reference on each CPU segment that the receiver drops once it has mapped it, so the
-    caller may free its copies right away.
+    CUDA tensors are sent as IPC handles of their storage (the receiver maps them; no copy); CPU tensors
+    are copied into the payload, so the receiver never aliases trainer memory and the caller may free or
+    change its tensors right away.
 
     Args:
         named_tensors: (HF parameter name, tensor) pairs.
@@ -88,28 +107,19 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
     Returns:
         One element of `serialized_named_tensors` for `/update_weights_from_tensor`.
     """
-    shareable = [
-        (name, tensor if tensor.is_cuda else tensor.detach().clone(memory_format=torch.contiguous_format))
-        for name, tensor in named_tensors
-    ]
     buffer = io.BytesIO()
-    with _file_system_sharing():
-        ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(shareable)
+    _NamedTensorPickler(buffer, pickle.HIGHEST_PROTOCOL).dump([(name, tensor) for name, tensor in named_tensors])
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-# torch.<name> -> dtype, e.g. "bfloat16" -> torch.bfloat16.
-_DTYPES = {str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
-
-# Every global a `serialize_named_tensors` payload names, found with `pickletools.dis` on real payloads
-# (CPU tensors under the file_system strategy) and in torch.multiprocessing.reductions.reduce_tensor
-# (CUDA tensors: rebuild_cuda_tensor with the tensor class, torch.Size, TypedStorage and a dtype). Lists,
-# tuples, str, bytes, ints and bools are pickle opcodes, not globals, so no builtins are needed.
+# Every global a `serialize_named_tensors` payload names: `_tensor_from_bytes` for CPU tensors, and what
+# torch.multiprocessing.reductions.reduce_tensor writes for CUDA ones (rebuild_cuda_tensor with the tensor class,
+# torch.Size, the storage class and a dtype). None of torch's CPU storage rebuilds is here: each opens a file or
+# socket the payload names. Lists, tuples, str, bytes, ints and bools are pickle opcodes, not globals, so no
+# builtins are needed.
 ALLOWED_PICKLE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
-        ("torch.multiprocessing.reductions", "rebuild_tensor"),
-        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        (__name__, "_tensor_from_bytes"),
         ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
         ("torch.storage", "UntypedStorage"),
         ("torch.storage", "TypedStorage"),
@@ -208,8 +218,16 @@ SEGMENT_BYTES = 64 * 2**20
 # Per chunk: one segment the receiver's weights may live in, one to fill with the next push.
 _SEGMENTS_PER_CHUNK = 2
 _ALIGN = 64  # every tensor starts at a multiple of this: aligned for any dtype, and for fast copies
-_SEGMENT_NAME = re.compile(r"slime_w_[0-9a-f]{16}")
-_MAX_DIM = 2**40
+# slime_w_<job tag>_<random>, or slime_w_<random> from a sender without a tag.
+_SEGMENT_NAME = re.compile(r"slime_w_(?:[0-9a-f]{16}_)?[0-9a-f]{16}")
+
+
+def segment_tag(api_key: str | None) -> str | None:
+    """The job's tag in its segment names: derived from the engines' API key, which sender and receiver both
+    hold and no other job does (a hash: the names are public in /dev/shm); None without a key."""
+    if not api_key:
+        return None
+    return hashlib.sha256(b"slime weight segments\0" + api_key.encode()).hexdigest()[:16]
 
 
 def shared_memory_available() -> bool:
@@ -231,8 +249,8 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _create_segment(nbytes: int) -> _SendSegment:
-    name = f"slime_w_{secrets.token_hex(8)}"
+def _create_segment(nbytes: int, tag: str | None) -> _SendSegment:
+    name = f"slime_w_{tag}_{secrets.token_hex(8)}" if tag else f"slime_w_{secrets.token_hex(8)}"
     path = SHM_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -275,7 +293,9 @@ atexit.register(release_send_segments)
 
 
 @torch.no_grad()
-def stage_named_tensors(named_tensors: list[tuple[str, torch.Tensor]], index: int, held: Collection[str] = ()) -> str:
+def stage_named_tensors(
+    named_tensors: list[tuple[str, torch.Tensor]], index: int, held: Collection[str] = (), tag: str | None = None
+) -> str:
     """Copy (name, tensor) pairs into one of this process's two segments for chunk `index` and describe them.
 
     The segment is one not in `held`; it is created on first use, replaced by a larger one when the tensors
@@ -287,6 +307,7 @@ def stage_named_tensors(named_tensors: list[tuple[str, torch.Tensor]], index: in
         index: The chunk's position in the push (0, 1, ...): each position has segments of its own.
         held: Names of the segments the receiver's weights live in: its answer `segments_in_use` to an update
             of no tensors sent before the push. Holds for one receiver per sending process.
+        tag: The job's `segment_tag`, which a receiver with the same key requires in the segment's name.
 
     Returns:
         One element of `serialized_named_tensors` for `/update_weights_from_tensor` with
@@ -301,14 +322,15 @@ def stage_named_tensors(named_tensors: list[tuple[str, torch.Tensor]], index: in
         entries.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "offset": end})
         end += _round_up(tensor.numel() * tensor.element_size(), _ALIGN)
     segments = _SEND_SEGMENTS.setdefault(index, [])
-    free = [segment for segment in segments if segment.name not in held]
+    prefix = f"slime_w_{tag}_" if tag else "slime_w_"
+    free = [segment for segment in segments if segment.name not in held and segment.name.startswith(prefix)]
     segment = next((segment for segment in free if segment.data.numel() >= end), None)
     if segment is None:
         if len(segments) == _SEGMENTS_PER_CHUNK:  # replace one that is too small, or else the oldest
             old = free[0] if free else segments[0]
             segments.remove(old)
             _unlink(old)
-        segment = _create_segment(_round_up(max(end, 1), 2**20))
+        segment = _create_segment(_round_up(max(end, 1), 2**20), tag)
         segments.append(segment)
     for (_, tensor), entry in zip(named_tensors, entries):
         start = entry["offset"]
@@ -366,12 +388,16 @@ def _parse_entry(index: int, entry: object) -> SharedTensor:
     return SharedTensor(name, _DTYPES[dtype], tuple(shape), offset)
 
 
-def parse_shared_payload(payload: str) -> SharedPayload:
+def parse_shared_payload(payload: str, tag: str | None = None) -> SharedPayload:
     """Read and check one `stage_named_tensors` payload; maps nothing yet (see `MappedSegments.named_tensors`).
 
+    Args:
+        tag: The receiver's `segment_tag`: the segment must carry it. None accepts any slime segment name.
+
     Raises:
-        ValueError: naming the first malformed part: not JSON, a segment name slime does not make, or a
-            tensor entry without a name, a known dtype, a shape of non-negative integers or an aligned offset.
+        ValueError: naming the first malformed part: not JSON, a segment name slime does not make (or without
+            the job's tag), or a tensor entry without a name, a known dtype, a shape of non-negative integers
+            or an aligned offset.
     """
     try:
         body = json.loads(payload)
@@ -382,6 +408,11 @@ def parse_shared_payload(payload: str) -> SharedPayload:
     segment = body.get("segment")
     if not isinstance(segment, str) or not _SEGMENT_NAME.fullmatch(segment):
         raise ValueError(f"segment must be a slime segment name ('slime_w_' + 16 hex digits), got {_show(segment)}")
+    if tag is not None and not segment.startswith(f"slime_w_{tag}_"):
+        raise ValueError(
+            f"segment {segment} is not one of this job's: its trainer names them slime_w_{tag}_...; only the "
+            "trainer started with this engine's API key may push weights through shared memory"
+        )
     return SharedPayload(segment, [_parse_entry(index, entry) for index, entry in enumerate(body["tensors"])])
 
 
@@ -411,7 +442,12 @@ class MappedSegments:
         """
         for name in [name for name, mapping in self.mappings.items() if os.fstat(mapping.fd).st_nlink == 0]:
             os.close(self.mappings.pop(name).fd)
-        data = self._map(payload.segment).data
+        mapping = self._map(payload.segment)
+        data = mapping.data
+        if os.fstat(mapping.fd).st_size < data.numel():
+            # Reading pages past a shrunk file's end is a SIGBUS: forget it (its sender must send a new one).
+            os.close(self.mappings.pop(payload.segment).fd)
+            raise ValueError(f"shared-memory segment {payload.segment} was truncated after it was mapped")
         named = []
         for index, tensor in enumerate(payload.tensors):
             end = tensor.offset + tensor.nbytes

@@ -9,6 +9,7 @@ is reached only by whoever uses that node's address, which is what these tests c
 from __future__ import annotations
 
 import socket
+from argparse import Namespace
 
 import pytest
 import ray
@@ -20,7 +21,8 @@ from slime.ray.actor_group import RayTrainGroup
 from slime.ray.placement_group import bind_ray_to_loopback, create_placement_groups, engine_host_problem, init_ray
 from slime.ray.rollout import create_rollout_manager
 from slime.utils.arguments import parse_args
-from slime.utils.http_utils import find_free_port, get_json, post_json
+from slime.utils.engine_args import engine_api_key
+from slime.utils.http_utils import bearer_headers, find_free_port, get_json, post_json
 
 NODES = {"127.0.0.2": 1, "127.0.0.3": 2}  # node IP -> CPU slots; the head (127.0.0.1) has none
 
@@ -121,11 +123,14 @@ def test_engine_larger_than_a_node_is_refused(cluster, tiny_model_dir, prompts, 
 
 
 @pytest.mark.reliability(
-    "engines of a multi-node cluster on a non-loopback node IP without --sglang-api-key",
-    "refused at placement, saying where they would listen and to pass --sglang-api-key",
+    "engines of a multi-node cluster on a non-loopback node IP without an API key",
+    "a run gets a per-job key unless --sglang-api-key gives one; args without any key are refused at placement, "
+    "saying where the engines would listen and to pass --sglang-api-key",
 )
 def test_engine_on_a_routable_node_ip_needs_an_api_key(tiny_model_dir, prompts, tmp_path):
-    args = cluster_args(tiny_model_dir, prompts, tmp_path)
+    generated = cluster_args(tiny_model_dir, prompts, tmp_path)
+    assert engine_host_problem(generated, ["192.0.2.7"]) is None
+    args = Namespace(**{**vars(generated), "sglang_api_key": None})
     problem = engine_host_problem(args, ["127.0.0.3", "192.0.2.7"])
     assert problem is not None and "listen on 192.0.2.7" in problem and "--sglang-api-key KEY" in problem
     assert "127.0.0.3" not in problem  # a loopback alias is reached from this machine only
@@ -155,7 +160,8 @@ def test_engine_on_another_node_listens_on_that_nodes_ip(placed, tiny_model_dir,
         host, port = url.removeprefix("http://").split(":")
         assert host == "127.0.0.3"
         assert on_node(ray.get(manager.get_engines.remote())[0]) == "127.0.0.3"
-        assert get_json(f"{url}/get_model_info")["model_path"] == str(tiny_model_dir)
+        key = bearer_headers(engine_api_key(args))  # the job's own, generated at parse time
+        assert get_json(f"{url}/get_model_info", headers=key)["model_path"] == str(tiny_model_dir)
         with pytest.raises(ConnectionRefusedError):  # nothing of the engine's on the head's address
             socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
         router = ray.get(manager.__ray_call__.remote(lambda self: self.router.url))

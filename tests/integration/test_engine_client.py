@@ -16,12 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from support.flags import slime_flags
 
+from slime.backends.sglang_utils.engine_actor import RolloutEngine
 from slime.backends.sglang_utils.engine_command_line import (
     build_cpu_engine_args,
     build_sglang_server_args,
     drop_parser_defaults,
     options_to_cli_args,
 )
+from slime.utils.engine_args import ENGINE_API_KEY_ENV
 from slime.utils.http_utils import (
     PORT_RANGE,
     HTTPRequestError,
@@ -92,18 +94,24 @@ def test_cpu_engine_args_defaults_and_overrides():
     assert cli[-6:] == ["--max-running-requests", "8", "--max-queued-requests", "4096", "--num-threads", "2"]
 
 
-def test_cpu_engine_args_forward_the_api_key_and_queue_limit():
+def test_cpu_engine_args_forward_the_api_key_and_queue_limit(monkeypatch):
     args = slime_flags(
         cpu_engine_max_queued_requests=64, sglang_server_args={"api-key": "k3y", "mem_fraction_static": 0.5}
     )
     cli = build_cpu_engine_args(args, model_path="/m", host="127.0.0.1", port=5)
-    assert cli[cli.index("--api-key") + 1] == "k3y" and cli[cli.index("--max-queued-requests") + 1] == "64"
+    assert cli[cli.index("--max-queued-requests") + 1] == "64"
+    assert "k3y" not in cli and "--api-key" not in cli  # the key goes by the environment
     assert "--mem-fraction-static" not in cli  # means nothing to the CPU engine
-    # The engine's own parser reads them back.
+    command, env = RolloutEngine(args, rank=0, backend="cpu", port=5, model_path="/m")._server_command()
+    assert env[ENGINE_API_KEY_ENV] == "k3y" and "k3y" not in command
+    # The engine's own parser reads them back, the key from its environment.
     from slime.backends.cpu_engine.server import parse_args
 
+    monkeypatch.setenv(ENGINE_API_KEY_ENV, env[ENGINE_API_KEY_ENV])
     parsed = parse_args(cli)
     assert (parsed.api_key, parsed.max_queued_requests, parsed.host) == ("k3y", 64, "127.0.0.1")
+    monkeypatch.delenv(ENGINE_API_KEY_ENV)
+    assert parse_args(cli).api_key is None
 
 
 def test_options_follow_the_target_parser():

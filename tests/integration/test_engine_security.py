@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 from support.engines import router_args, router_for
 from support.flags import slime_flags
 
@@ -25,6 +26,8 @@ from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.sglang_utils.server_process import launch_server_process, stop_server_process
 from slime.utils.arguments import ArgumentValidationError, parse_args
 from slime.utils.http_utils import HTTPRequestError, find_free_port, wait_until_healthy
+from slime.utils.weight_transport import SHARED_MEMORY_FORMAT as FORMAT
+from slime.utils.weight_transport import release_send_segments, segment_tag, stage_named_tensors
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key-4d1f"
@@ -88,6 +91,24 @@ def test_api_key_guards_every_endpoint_but_health(engine):
     assert response.status_code == 200 and response.json()["meta_info"]["completion_tokens"] >= 1
     info = requests.get(f"{url}/get_server_info", headers=AUTH, timeout=30).json()
     assert info["api_key"] == "<set>" and KEY not in str(info)  # the key is never handed out
+
+
+def test_keyed_engine_takes_shared_memory_pushes_only_from_its_jobs_segments(engine):
+    _, url = engine
+    client = EngineClient(url, api_key=KEY)
+    release_send_segments()
+    try:
+        weight = ("model.norm.weight", torch.full((64,), 0.5))
+        for tag in (None, segment_tag("another job's key")):
+            with pytest.raises(HTTPRequestError) as refused:
+                client.update_weights_from_tensor([stage_named_tensors([weight], 0, tag=tag)], load_format=FORMAT)
+            assert refused.value.status == 400 and "is not one of this job's" in str(refused.value)
+        answer = client.update_weights_from_tensor(
+            [stage_named_tensors([weight], 0, tag=segment_tag(KEY))], load_format=FORMAT
+        )
+        assert answer["message"] == "updated 1 tensors"
+    finally:
+        release_send_segments()
 
 
 def test_engine_client_sends_the_api_key(engine):

@@ -13,7 +13,8 @@ import torch
 from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import create_rollout_manager
 from slime.utils.arguments import parse_args
-from slime.utils.http_utils import get_json, post_json
+from slime.utils.engine_args import ENGINE_API_KEY_ENV, engine_api_key
+from slime.utils.http_utils import HTTPRequestError, bearer_headers, get_json, post_json
 from slime.utils.types import Sample
 
 PROMPTS = [f"What is {a} + {b}?" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (4, 4), (6, 6), (8, 8)]]
@@ -58,6 +59,28 @@ def test_two_engines_registered_behind_the_router(manager):
     urls = ray.get(manager.get_engine_urls.remote())
     assert len(urls) == 2 and len(set(urls)) == 2
     assert ray.get(manager.get_num_rollout.remote()) == (2, 4)
+
+
+@pytest.mark.reliability(
+    "a local user reaching the engines of a job started without --sglang-api-key",
+    "401: slime starts its engines with a random per-job key, passed by the environment (not in /proc/<pid>/cmdline)",
+)
+def test_engines_slime_starts_require_the_jobs_own_key(manager):
+    urls = ray.get(manager.get_engine_urls.remote())
+    headers = engine_headers(manager)
+    key = headers["Authorization"].removeprefix("Bearer ")
+    assert len(key) >= 32
+    for url in urls:
+        with pytest.raises(HTTPRequestError) as refused:
+            get_json(f"{url}/get_model_info", max_retries=0)
+        assert refused.value.status == 401
+        assert get_json(f"{url}/get_model_info", headers=headers)["is_generation"] is True
+    engines = ray.get(manager.get_engines.remote())
+    for pid in ray.get([engine.__ray_call__.remote(lambda self: self.process.pid) for engine in engines]):
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            assert key.encode() not in cmdline.read()  # every local user can read this file
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            assert f"{ENGINE_API_KEY_ENV}={key}".encode() in environ.read().split(b"\0")
 
 
 def test_rollout_returns_well_formed_train_data(manager):
@@ -136,28 +159,34 @@ def test_saved_rollout_can_be_read_back(manager, tmp_path):
     assert len(samples) == 4 and all(s.rollout_id == 5 for s in samples)
 
 
-def engines_paused(urls):
+def engine_headers(manager) -> dict[str, str]:
+    """The Authorization header of the key the manager's engines were started with (a fresh one per job)."""
+    return bearer_headers(engine_api_key(ray.get(manager.__ray_call__.remote(lambda self: self.args))))
+
+
+def engines_paused(urls, headers):
     """Pause the engines in place (requests queue, nothing runs) until the block ends."""
 
     class Paused:
         def __enter__(self):
             for url in urls:
-                post_json(f"{url}/pause_generation", {"mode": "in_place"})
+                post_json(f"{url}/pause_generation", {"mode": "in_place"}, headers=headers)
 
         def __exit__(self, *exc):
             for url in urls:
-                post_json(f"{url}/continue_generation", {})
+                post_json(f"{url}/continue_generation", {}, headers=headers)
 
     return Paused()
 
 
-def num_waiting(urls) -> int:
-    return sum(get_json(f"{url}/get_server_info")["internal_states"][0]["num_waiting_reqs"] for url in urls)
+def num_waiting(urls, headers) -> int:
+    infos = [get_json(f"{url}/get_server_info", headers=headers) for url in urls]
+    return sum(info["internal_states"][0]["num_waiting_reqs"] for info in infos)
 
 
-def abort_all(urls) -> None:
+def abort_all(urls, headers) -> None:
     for url in urls:
-        post_json(f"{url}/abort_request", {"abort_all": True})
+        post_json(f"{url}/abort_request", {"abort_all": True}, headers=headers)
 
 
 @pytest.mark.reliability(
@@ -168,13 +197,15 @@ def test_groups_the_engines_abort_go_back_and_others_take_their_place(manager, t
     path = str(tmp_path / "rollout_{rollout_id}.pt")
     ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", path)))
     try:
-        with engines_paused(urls):
+        with engines_paused(urls, engine_headers(manager)):
             batch_ref = manager.generate.remote(7, 1)
             deadline = time.time() + 60
-            while num_waiting(urls) < 4:  # the first 2 groups x 2 samples, queued on the paused engines
+            while (
+                num_waiting(urls, engine_headers(manager)) < 4
+            ):  # the first 2 groups x 2 samples, queued on the paused engines
                 assert time.time() < deadline, "the rollout's requests never reached the engines"
                 time.sleep(0.05)
-            abort_all(urls)
+            abort_all(urls, engine_headers(manager))
         metrics = ray.get(batch_ref).metrics
     finally:
         ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", None)))
@@ -193,14 +224,14 @@ def test_groups_the_engines_abort_go_back_and_others_take_their_place(manager, t
 )
 def test_engines_that_abort_everything_stop_the_rollout(manager):
     urls = ray.get(manager.get_engine_urls.remote())
-    with engines_paused(urls):
+    with engines_paused(urls, engine_headers(manager)):
         batch_ref = manager.generate.remote(8, 1)
         # Nothing can finish while paused; keep aborting what queues until the rollout gives up.
         ready = []
         deadline = time.time() + 120
         while not ready:
             assert time.time() < deadline, "the rollout kept drawing groups"
-            abort_all(urls)
+            abort_all(urls, engine_headers(manager))
             ready, _ = ray.wait([batch_ref], timeout=0.05)
     with pytest.raises(ray.exceptions.RayTaskError, match=r"rollout 8: the engines aborted 9 prompt groups"):
         ray.get(batch_ref)

@@ -45,9 +45,11 @@ from slime.utils.weight_transport import (
     init_process_group_like_sglang,
     parse_shared_payload,
     release_send_segments,
+    segment_tag,
     serialize_named_tensors,
     stage_named_tensors,
 )
+from slime.utils.weight_transport import _NamedTensorPickler as NamedTensorPickler
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -115,8 +117,15 @@ def test_payload_round_trip_across_processes():
     assert received == expected
 
 
-def _forking_payload(obj) -> str:
+def _slime_payload(obj) -> str:
     """`obj` pickled the way serialize_named_tensors pickles, whatever its structure."""
+    buffer = io.BytesIO()
+    NamedTensorPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _torch_file_system_payload(obj) -> str:
+    """`obj` pickled with torch's own reductions under its file_system strategy: CPU storages as /dev/shm names."""
     buffer, previous = io.BytesIO(), torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
@@ -129,7 +138,7 @@ def _forking_payload(obj) -> str:
 @pytest.mark.reliability("weight payload: not (name, tensor) pairs, or not base64", "ValueError saying what it holds")
 def test_deserialize_rejects_a_payload_without_name_tensor_pairs():
     with pytest.raises(ValueError, match="list of \\(name, tensor\\) pairs"):
-        deserialize_named_tensors(_forking_payload({"weight": torch.zeros(2)}))
+        deserialize_named_tensors(_slime_payload({"weight": torch.zeros(2)}))
     with pytest.raises(ValueError, match="not base64"):
         deserialize_named_tensors("this is not base64!")
 
@@ -167,7 +176,7 @@ def test_deserialize_refuses_foreign_globals_before_building_anything(tmp_path):
         "posix.system": base64.b64encode(pickle.dumps([("w", _RunsCommand(f"touch {marker}"))])).decode("ascii"),
         "builtins.eval": base64.b64encode(pickle.dumps([("w", _CallsEval())])).decode("ascii"),
         # A real pair first, then the attack: the global is refused before the first tensor is rebuilt.
-        "posix.system ": _forking_payload([("w", torch.ones(3)), ("x", _RunsCommand(f"touch {marker}"))]),
+        "posix.system ": _slime_payload([("w", torch.ones(3)), ("x", _RunsCommand(f"touch {marker}"))]),
         # Exact names only: a dotted name would reach UntypedStorage.from_file, which maps any file.
         "torch.storage.UntypedStorage.from_file": _pickled_global("torch.storage", "UntypedStorage.from_file"),
         "torch._utils._rebuild_tensor_v2": base64.b64encode(pickle.dumps([("w", torch.ones(2))])).decode("ascii"),
@@ -177,6 +186,38 @@ def test_deserialize_refuses_foreign_globals_before_building_anything(tmp_path):
             deserialize_named_tensors(payload)
     assert not marker.exists()
     assert [name for name, _ in deserialize_named_tensors(real)] == ["w"]  # the real thing still loads
+
+
+class _NamesAFile:
+    """What torch's rebuild_storage_filename takes: a manager socket, a /dev/shm name and a size to map."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        rebuild = torch.multiprocessing.reductions.rebuild_storage_filename
+        return rebuild, (torch.UntypedStorage, b"/tmp/any-socket", f"/{self.name}".encode(), 384)
+
+
+@pytest.mark.reliability(
+    "weight pickle naming another /dev/shm file (or a socket) for the engine to open, grow and map",
+    "ValueError naming torch's rebuild global before anything is opened; slime's CPU tensors travel by value",
+)
+def test_pickles_cannot_name_a_file_or_socket_for_the_receiver_to_open():
+    victim = SHM_DIR / f"victim_{os.getpid()}"
+    victim.write_bytes(b"x" * 16)
+    try:
+        for payload in (
+            _torch_file_system_payload([("w", torch.ones(3))]),  # torch's own form of a CPU tensor
+            base64.b64encode(pickle.dumps([("model.norm.weight", _NamesAFile(victim.name))])).decode("ascii"),
+        ):
+            with pytest.raises(ValueError, match="refers to torch.multiprocessing.reductions.rebuild_"):
+                deserialize_named_tensors(payload)
+        assert victim.read_bytes() == b"x" * 16  # neither grown nor written
+    finally:
+        victim.unlink()
+    raw = base64.b64decode(serialize_named_tensors([("w", torch.ones(3))]))
+    assert b"_tensor_from_bytes" in raw and b"rebuild_" not in raw  # no storage, file or socket named
 
 
 # ---------------------------------------------------------------- reusable shared-memory segments
@@ -190,7 +231,7 @@ def _mapped_by(pid: int) -> dict[str, bool]:
     """slime segment name -> whether it was unlinked, for every one process `pid` maps."""
     mapped = {}
     for line in open(f"/proc/{pid}/maps"):
-        match = re.search(r"/dev/shm/(slime_w_[0-9a-f]{16})( \(deleted\))?$", line.rstrip("\n"))
+        match = re.search(r"/dev/shm/(slime_w_(?:[0-9a-f]{16}_)?[0-9a-f]{16})( \(deleted\))?$", line.rstrip("\n"))
         if match:
             mapped[match.group(1)] = bool(match.group(2))
     return mapped
@@ -217,6 +258,37 @@ def test_staged_tensors_read_back_in_any_dtype_and_layout():
         segments.close()
         release_send_segments()
     assert not (SHM_DIR / payload.segment).exists()
+
+
+@pytest.mark.reliability(
+    "shared-memory weight payload naming another job's segment, or a segment truncated after it was mapped",
+    "ValueError: a receiver with a key maps only segments with its job's tag; a shrunk one is dropped, no SIGBUS",
+)
+def test_a_receiver_maps_only_its_jobs_segments_at_their_size():
+    tag, other = segment_tag("job-key"), segment_tag("other-job-key")
+    assert tag != other and len(tag) == 16 and segment_tag(None) is None
+    segments = MappedSegments()
+    release_send_segments()
+    try:
+        ours = stage_named_tensors([("w", torch.ones(4))], 0, tag=tag)
+        assert json.loads(ours)["segment"].startswith(f"slime_w_{tag}_")
+        ((_, view),) = segments.named_tensors(parse_shared_payload(ours, tag))
+        assert view.tolist() == [1.0] * 4
+        del view
+        for theirs in (
+            stage_named_tensors([("w", torch.ones(4))], 1),
+            stage_named_tensors([("w", torch.ones(4))], 2, tag=other),
+        ):
+            with pytest.raises(ValueError, match="is not one of this job's"):
+                parse_shared_payload(theirs, tag)
+        assert parse_shared_payload(theirs).segment  # a receiver without a key takes any slime segment
+        os.truncate(SHM_DIR / json.loads(ours)["segment"], 0)
+        with pytest.raises(ValueError, match="was truncated after it was mapped"):
+            segments.named_tensors(parse_shared_payload(ours, tag))
+        assert json.loads(ours)["segment"] not in segments.mappings
+    finally:
+        segments.close()
+        release_send_segments()
 
 
 def test_a_segment_the_receiver_holds_is_never_written():

@@ -16,15 +16,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
+from slime.backends.sglang_utils.keyed_launch import with_key
 from slime.utils.arguments import SGLANG_MANAGED_FIELDS, parse_args
 from slime.utils.arguments.cluster import SLIME_SGLANG_FLAG_NAMES
+from slime.utils.engine_args import ENGINE_API_KEY_ENV, engine_api_key
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE_PATH = Path(__file__).resolve().parents[1] / "support" / "data" / "sglang_server_args.json"
@@ -154,9 +158,11 @@ def launch_command(argv: list[str], **engine_kwargs) -> list[str]:
     """slime's `python -m sglang.launch_server ...` for `argv` (slime flags after BASE), as an engine actor builds it."""
     args = parse_args(BASE + argv)
     engine = RolloutEngine(args, rank=0, backend="sglang", host="127.0.0.1", port=30001, **engine_kwargs)
-    command, _ = engine._server_command()
-    assert command[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    return command[3:]
+    command, env = engine._server_command()
+    assert command[:4] == [sys.executable, "-m", "slime.backends.sglang_utils.keyed_launch", "sglang.launch_server"]
+    key = env.get(ENGINE_API_KEY_ENV)
+    assert key and key == engine_api_key(args) and key not in " ".join(command)  # by the environment only
+    return with_key(command[4:], key)  # what keyed_launch hands SGLang's parser
 
 
 # A representative `--sglang-*` flag of each kind of value, and what SGLang must read from the command.
@@ -281,3 +287,20 @@ if __name__ == "__main__":
     options = cli_args.parse_args()
     if options.write:
         write_table(options.source)
+
+
+def test_keyed_launch_hands_the_key_to_the_server_but_not_to_its_command_line(tmp_path):
+    (tmp_path / "fake_server.py").write_text(
+        "import json, os, sys\n"
+        "cmdline = open('/proc/self/cmdline', 'rb').read().decode().split('\\0')\n"
+        f"print(json.dumps({{'argv': sys.argv[1:], 'cmdline': cmdline, 'env': os.environ.get('{ENGINE_API_KEY_ENV}')}}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    launch = [sys.executable, "-m", "slime.backends.sglang_utils.keyed_launch", "fake_server", "--port", "1"]
+    keyed = subprocess.run(launch, env=env | {ENGINE_API_KEY_ENV: "s3cret"}, capture_output=True, text=True, check=True)
+    seen = json.loads(keyed.stdout)
+    assert seen["argv"] == ["--port", "1", "--api-key", "s3cret"]
+    assert "s3cret" not in " ".join(seen["cmdline"])  # what `ps` shows every local user
+    assert seen["env"] is None  # nor do the server's own children inherit it
+    unkeyed = subprocess.run(launch, env=env, capture_output=True, text=True, check=True)
+    assert json.loads(unkeyed.stdout)["argv"] == ["--port", "1"]

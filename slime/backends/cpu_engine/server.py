@@ -53,6 +53,7 @@ import ipaddress
 import json
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -74,6 +75,7 @@ from slime.backends.cpu_engine.protocol import (
 )
 from slime.backends.cpu_engine.sampling import SamplingParams
 from slime.utils import weight_transport
+from slime.utils.engine_args import ENGINE_API_KEY_ENV
 from slime.utils.openai_protocol import PARSE_OFF_LOOP_BYTES, lone_surrogate
 
 logger = logging.getLogger(__name__)
@@ -597,7 +599,10 @@ async def update_weights_from_tensor(request: web.Request) -> dict:
     if shared:
 
         def parse() -> list[weight_transport.SharedPayload]:
-            return _per_payload(payloads, weight_transport.parse_shared_payload, RequestError)
+            tag = weight_transport.segment_tag(request.app[_STATE]["args"].api_key)
+            return _per_payload(
+                payloads, lambda payload: weight_transport.parse_shared_payload(payload, tag), RequestError
+            )
 
         small = sum(len(payload) for payload in payloads) <= PARSE_OFF_LOOP_BYTES
         parsed = parse() if small else await asyncio.to_thread(parse)
@@ -881,7 +886,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     parser.add_argument("--random-seed", type=int, default=defaults.random_seed)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but GET /health"
+        "--api-key",
+        default=os.environ.get(ENGINE_API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but GET /health (default: ${ENGINE_API_KEY_ENV})",
     )
     parser.add_argument(
         "--max-queued-requests",

@@ -26,6 +26,7 @@ from slime.backends.sglang_utils.engine_command_line import (
 )
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.sglang_utils.server_process import launch_server_process, server_log_path, stop_server_process
+from slime.utils.engine_args import ENGINE_API_KEY_ENV
 from slime.utils.http_utils import find_free_port, wait_until_healthy
 from slime.utils.perf import process_tree_peak_memory_gb
 
@@ -90,6 +91,7 @@ class RolloutEngine(EngineClient):
         self.dist_init_addr = dist_init_addr
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
+        self._api_key = api_key
         super().__init__(f"http://{host}:{self.port}", api_key=api_key)
 
     def url(self) -> str:
@@ -126,6 +128,9 @@ class RolloutEngine(EngineClient):
 
     def _server_command(self) -> tuple[list[str], dict[str, str]]:
         env = dict(os.environ)
+        env.pop(ENGINE_API_KEY_ENV, None)
+        if self._api_key:
+            env[ENGINE_API_KEY_ENV] = self._api_key  # not on the command line, which every local user can read
         if self.backend == "cpu":
             server_args = build_cpu_engine_args(self.args, model_path=self.model_path, host=self.host, port=self.port)
             # Oversubscribed cores are ruinous for CPU decode; the engine gets exactly its thread budget.
@@ -143,7 +148,13 @@ class RolloutEngine(EngineClient):
             nnodes=self.nnodes,
             node_rank=self.node_rank,
         )
-        return [sys.executable, "-m", "sglang.launch_server", *server_args], env
+        return [
+            sys.executable,
+            "-m",
+            "slime.backends.sglang_utils.keyed_launch",
+            "sglang.launch_server",
+            *server_args,
+        ], env
 
     def is_alive(self) -> bool:
         """True while the server process runs (it may still be loading; see `health()`)."""

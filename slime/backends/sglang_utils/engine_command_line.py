@@ -139,6 +139,7 @@ def build_sglang_server_args(
     from slime.utils.arguments import SGLANG_MANAGED_FIELDS
 
     user_options = _normalized_options(args.sglang_server_args or {})
+    user_options.pop("api_key", None)  # by the environment (`keyed_launch`), never on the command line
     managed = sorted(set(user_options) & set(SGLANG_MANAGED_FIELDS))
     if managed:
         hints = "; ".join(f"--sglang-{f.replace('_', '-')}: use {SGLANG_MANAGED_FIELDS[f]}" for f in managed)
@@ -167,8 +168,8 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     Args:
         args: slime's parsed arguments; reads `cpu_engine_max_running_requests`, `cpu_engine_max_queued_requests`
             and `cpu_engine_num_threads` (torch threads of the engine process). Of the `--sglang-*` flags only
-            `--sglang-api-key` means something to the CPU engine (as `--api-key`); the others are
-            ignored with a warning.
+            `--sglang-api-key` means something to the CPU engine, and it goes by the environment
+            (`ENGINE_API_KEY_ENV`), not these arguments; the others are ignored with a warning.
         model_path: HF checkpoint directory the engine loads.
         host: Address the HTTP server binds.
         port: HTTP port.
@@ -177,7 +178,7 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
         The argument list (without the `python -m slime.backends.cpu_engine` prefix).
     """
     ignored = _normalized_options(drop_parser_defaults(args.sglang_server_args or {}, sglang_cli_parser()))
-    api_key = ignored.pop("api_key", None)
+    ignored.pop("api_key", None)
     if ignored:
         logger.warning("the CPU engine ignores these --sglang-* flags: %s", ", ".join(sorted(ignored)))
     return options_to_cli_args(
@@ -188,7 +189,6 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
             "max_running_requests": args.cpu_engine_max_running_requests,
             "max_queued_requests": args.cpu_engine_max_queued_requests,
             "num_threads": cpu_engine_num_threads(args),
-            "api_key": api_key,
         }
     )
 

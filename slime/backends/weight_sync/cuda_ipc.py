@@ -1,7 +1,7 @@
 """Colocated engines, CUDA tensors: CUDA IPC handles of the trainer's buckets, as SGLang expects them.
 
-Also the colocated path on a host without /dev/shm: `serialize_named_tensors` then carries CPU tensors through
-torch's file-system shared memory. The payload format is `slime.utils.weight_transport`'s.
+Also the colocated path on a host without /dev/shm: `serialize_named_tensors` then carries CPU tensors by value
+inside the payload. The payload format is `slime.utils.weight_transport`'s.
 """
 
 from __future__ import annotations

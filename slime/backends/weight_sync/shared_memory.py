@@ -26,12 +26,14 @@ class SharedMemoryTransport(WeightTransport):
 
     Args:
         gpus_per_engine: `g`, `--rollout-num-gpus-per-engine` (the CPU engine is one process whatever its span).
+        tag: The job's `segment_tag` (from the engines' API key), which the engines require in segment names.
     """
 
     every_rank_sends = True
 
-    def __init__(self, gpus_per_engine: int):
+    def __init__(self, gpus_per_engine: int, tag: str | None = None):
         self.gpus_per_engine = gpus_per_engine
+        self.tag = tag
 
     def push(self, buckets: Iterable[Bucket], version: str) -> None:
         engine_index = self.rank // self.gpus_per_engine
@@ -59,7 +61,7 @@ class SharedMemoryTransport(WeightTransport):
                 for chunk in bucket_named_tensors(bucket, SEGMENT_BYTES):
                     if len(posts) == 2:  # stop early on a refused chunk
                         posts.popleft().result()
-                    payload = stage_named_tensors(chunk, chunks, held)
+                    payload = stage_named_tensors(chunk, chunks, held, self.tag)
                     posts.append(poster.submit(post, serialized_named_tensors=[payload]))
                     chunks += 1
             while posts:

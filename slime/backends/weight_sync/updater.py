@@ -15,8 +15,9 @@ from slime.backends.weight_sync.broadcast import BroadcastTransport
 from slime.backends.weight_sync.cuda_ipc import CudaIpcTransport
 from slime.backends.weight_sync.disk import DiskTransport
 from slime.backends.weight_sync.shared_memory import SharedMemoryTransport
+from slime.utils.engine_args import engine_api_key
 from slime.utils.weight_sync import Bucket, weight_check_tolerance
-from slime.utils.weight_transport import shared_memory_available
+from slime.utils.weight_transport import segment_tag, shared_memory_available
 
 
 def choose_transport(args: Namespace, device: torch.device, previous: WeightTransport | None = None) -> WeightTransport:
@@ -37,7 +38,7 @@ def choose_transport(args: Namespace, device: torch.device, previous: WeightTran
     gpus_per_engine = args.rollout_num_gpus_per_engine
     if args.colocate:
         if device.type != "cuda" and shared_memory_available():
-            return SharedMemoryTransport(gpus_per_engine)
+            return SharedMemoryTransport(gpus_per_engine, segment_tag(engine_api_key(args)))
         return CudaIpcTransport(gpus_per_engine)
     if args.update_weight_transport == "disk":
         return DiskTransport(args, target=previous.target if isinstance(previous, DiskTransport) else None)

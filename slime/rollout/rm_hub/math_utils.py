@@ -15,10 +15,7 @@ import logging
 import re
 import threading
 from fractions import Fraction
-
-import math_verify
-import sympy
-from math_verify.parser import LatexExtractionConfig
+from functools import cache
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
@@ -104,10 +101,19 @@ _SIMPLE_ASSIGNMENT = re.compile(r"^[A-Za-z]\w*\s*=\s*(.+)$")
 # math-verify's own per-step timeout (whole seconds, main thread only); the reward workers set it to None.
 SYMPY_TIMEOUT_SECONDS: int | None = 2
 _MAX_EXPONENT = 1000
-# Answers are LaTeX; math-verify's plain-expression extractor is not needed for them.
-_LATEX_ONLY = [LatexExtractionConfig()]
 # math-verify warns once that it runs without a timeout; that is on purpose off the main thread.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+@cache
+def _math_verify():
+    """math-verify and its LaTeX-only extraction config, imported on the first symbolic check: sympy's import
+    (about half a second) is then paid only by the processes that grade, not by every one that imports rm_hub."""
+    import math_verify
+    from math_verify.parser import LatexExtractionConfig
+
+    # Answers are LaTeX; math-verify's plain-expression extractor is not needed for them.
+    return math_verify, [LatexExtractionConfig()]
 
 
 def _read_brace_group(text: str, open_index: int) -> tuple[str, int] | None:
@@ -231,6 +237,8 @@ def _exponent_load(expr) -> float:
 
     Inner loads are checked first, so evaluating a numeric exponent here is always cheap.
     """
+    import sympy  # already loaded by math-verify's parse, which built `expr`
+
     if not isinstance(expr, sympy.Basic):
         return 1.0
     load = 1.0
@@ -253,9 +261,10 @@ def _symbolic_equal(prediction: str, reference: str) -> bool:
     # workers, whose parent kills them instead) it runs without one.
     on_main_thread = threading.current_thread() is threading.main_thread()
     timeout = SYMPY_TIMEOUT_SECONDS if on_main_thread else None
+    math_verify, latex_only = _math_verify()
     try:
-        gold = math_verify.parse(f"${reference}$", _LATEX_ONLY, parsing_timeout=timeout)
-        predicted = math_verify.parse(f"${prediction}$", _LATEX_ONLY, parsing_timeout=timeout)
+        gold = math_verify.parse(f"${reference}$", latex_only, parsing_timeout=timeout)
+        predicted = math_verify.parse(f"${prediction}$", latex_only, parsing_timeout=timeout)
         if not gold or not predicted:
             return False
         # parse() builds unevaluated expressions, so the guard runs before sympy computes anything.

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from urllib.parse import urlparse
 
 from slime import algorithms
@@ -19,6 +20,7 @@ from slime.utils.arguments.checkpoint import _validate_output_folders
 from slime.utils.arguments.errors import _fail
 from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.utils.device import cuda_available
+from slime.utils.engine_args import engine_api_key
 from slime.utils.eval_config import load_eval_config
 from slime.utils.misc import load_function
 from slime.utils.moe_routing import routing_shape
@@ -442,6 +444,10 @@ def _validate_engine_limits(args: argparse.Namespace) -> None:
         _fail(f"--sglang-api-key was read as {api_key!r}, not text; use a key that is not a number or true/false.")
     if api_key is not None and not api_key.strip():
         _fail("--sglang-api-key needs a non-empty key: engines require it as 'Authorization: Bearer <key>'.")
+    if not engine_api_key(args) and not args.rollout_external_engine_addrs:
+        # A key for this job alone, so that no other local user can push weights into, or generate on, the engines
+        # slime starts. Engines the user started keep theirs (pass it with --sglang-api-key).
+        args.sglang_api_key = secrets.token_urlsafe(32)
 
 
 def _validate_flag_uses(args: argparse.Namespace) -> None:
