@@ -16,8 +16,8 @@ SGLang's conventions so a trainer never needs to know which one it talks to). No
   segments of a chunk alternate while the engine keeps its weights in one of them (with --offload-rollout the
   engine reloads its weights into memory of its own before each push, and one set is reused). No pickle is
   involved. A segment's name carries the job's tag (`segment_tag`, from the engines' API key), and a
-  receiver with a key maps only segments with its own tag, regular files of its own user, at their size. The segments are unlinked when the trainer exits (atexit, or Python's resource
-  tracker after a SIGKILL); an engine keeps the memory of the ones its weights live in until the next push
+  receiver with a key maps only segments with its own tag, regular files of its own user, at their size.
+  The segments are unlinked when the trainer exits (atexit, or Python's resource tracker after a SIGKILL); an engine keeps the memory of the ones its weights live in until the next push
   replaces them, and drops its other mappings of unlinked segments at its next push.
 - Same host, CUDA tensors (SGLang): `serialize_named_tensors` pickles (name, tensor) pairs with torch's
   reductions and base64-encodes them, the form SGLang's `MultiprocessingSerializer` produces for
@@ -72,7 +72,7 @@ def _tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tenso
     """A CPU tensor `serialize_named_tensors` carried by value; checks that `data` holds exactly that tensor."""
     if not isinstance(data, bytes) or dtype not in _DTYPES or not isinstance(shape, list | tuple):
         raise ValueError(f"a by-value tensor needs bytes, a torch dtype name and a shape, got dtype {dtype!r}")
-    if not all(isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim <= _MAX_DIM for dim in shape):
+    if not all(_is_int(dim) and 0 <= dim <= _MAX_DIM for dim in shape):
         raise ValueError(f"a by-value tensor's shape must be non-negative integers, got {shape!r}")
     torch_dtype = _DTYPES[dtype]
     expected = math.prod(shape) * torch_dtype.itemsize
@@ -230,6 +230,10 @@ def segment_tag(api_key: str | None) -> str | None:
     return hashlib.sha256(b"slime weight segments\0" + api_key.encode()).hexdigest()[:16]
 
 
+def _segment_prefix(tag: str | None) -> str:
+    return f"slime_w_{tag}_" if tag else "slime_w_"
+
+
 def shared_memory_available() -> bool:
     """Whether this host has /dev/shm (Linux), where `stage_named_tensors` keeps its segments."""
     return SHM_DIR.is_dir()
@@ -250,7 +254,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _create_segment(nbytes: int, tag: str | None) -> _SendSegment:
-    name = f"slime_w_{tag}_{secrets.token_hex(8)}" if tag else f"slime_w_{secrets.token_hex(8)}"
+    name = _segment_prefix(tag) + secrets.token_hex(8)
     path = SHM_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -322,7 +326,7 @@ def stage_named_tensors(
         entries.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "offset": end})
         end += _round_up(tensor.numel() * tensor.element_size(), _ALIGN)
     segments = _SEND_SEGMENTS.setdefault(index, [])
-    prefix = f"slime_w_{tag}_" if tag else "slime_w_"
+    prefix = _segment_prefix(tag)
     free = [segment for segment in segments if segment.name not in held and segment.name.startswith(prefix)]
     segment = next((segment for segment in free if segment.data.numel() >= end), None)
     if segment is None:
@@ -408,7 +412,7 @@ def parse_shared_payload(payload: str, tag: str | None = None) -> SharedPayload:
     segment = body.get("segment")
     if not isinstance(segment, str) or not _SEGMENT_NAME.fullmatch(segment):
         raise ValueError(f"segment must be a slime segment name ('slime_w_' + 16 hex digits), got {_show(segment)}")
-    if tag is not None and not segment.startswith(f"slime_w_{tag}_"):
+    if tag is not None and not segment.startswith(_segment_prefix(tag)):
         raise ValueError(
             f"segment {segment} is not one of this job's: its trainer names them slime_w_{tag}_...; only the "
             "trainer started with this engine's API key may push weights through shared memory"

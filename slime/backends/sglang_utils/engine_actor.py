@@ -91,7 +91,6 @@ class RolloutEngine(EngineClient):
         self.dist_init_addr = dist_init_addr
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
-        self._api_key = api_key
         super().__init__(f"http://{host}:{self.port}", api_key=api_key)
 
     def url(self) -> str:
@@ -129,8 +128,8 @@ class RolloutEngine(EngineClient):
     def _server_command(self) -> tuple[list[str], dict[str, str]]:
         env = dict(os.environ)
         env.pop(ENGINE_API_KEY_ENV, None)
-        if self._api_key:
-            env[ENGINE_API_KEY_ENV] = self._api_key  # not on the command line, which every local user can read
+        if api_key := engine_api_key(self.args):
+            env[ENGINE_API_KEY_ENV] = api_key  # not on the command line, which every local user can read
         if self.backend == "cpu":
             server_args = build_cpu_engine_args(self.args, model_path=self.model_path, host=self.host, port=self.port)
             # Oversubscribed cores are ruinous for CPU decode; the engine gets exactly its thread budget.
