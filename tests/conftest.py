@@ -12,6 +12,14 @@ sys.path.insert(0, str(TESTS))  # `support` (the shared helpers) and the dotted 
 
 from support.tiny_model import build_tiny_model  # noqa: E402
 
+# What pytest-timeout cannot stop (a hung teardown after a failure, a wait inside ray.get): support/watchdog.py.
+from support.watchdog import (  # noqa: E402, F401
+    pytest_runtest_call,
+    pytest_runtest_protocol,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+)
+
 # Seconds a test may take, setup included, before it fails with its name instead of eating the CI budget.
 TIER_TIMEOUTS = {"unit": 120, "integration": 400, "e2e": 900}
 

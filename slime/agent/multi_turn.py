@@ -28,8 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import AutoTokenizer
-
+from slime.utils import misc
 from slime.utils.engine_args import context_limit
 from slime.utils.router_generate import generate_into_sample
 from slime.utils.tool_calls import parse_tool_calls
@@ -69,9 +68,10 @@ class Episode:
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(path: str) -> Any:
-    """The tokenizer of `path` (`--hf-checkpoint`), loaded once per process."""
-    return AutoTokenizer.from_pretrained(path)
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of `path` (`--hf-checkpoint`), loaded once per process (its own code runs only under
+    `--trust-remote-code`)."""
+    return misc.load_tokenizer(path, trust_remote_code)
 
 
 def start_episode(args, sample: Sample, tokenizer: Any = None) -> Episode:
@@ -88,7 +88,7 @@ def start_episode(args, sample: Sample, tokenizer: Any = None) -> Episode:
     Raises:
         ValueError: The prompt leaves no room for a response in the context.
     """
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.hf_checkpoint)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.hf_checkpoint, args.trust_remote_code)
     prompt = sample.prompt
     if isinstance(prompt, list):
         prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)

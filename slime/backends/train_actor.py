@@ -64,7 +64,7 @@ from slime.algorithms.policy_losses import loss_kind
 from slime.backends.weight_sync import WeightUpdater, choose_transport
 from slime.utils.device import cuda_available, distributed_backend
 from slime.utils.http_utils import find_free_port
-from slime.utils.misc import load_function, release_free_host_memory
+from slime.utils.misc import load_function, load_pretrained, release_free_host_memory
 from slime.utils.perf import ModelShape, PhaseTimer, device_peak_tflops, forward_flops, peak_memory_gb
 from slime.utils.weight_sync import probe_tokens
 
@@ -315,7 +315,9 @@ class TrainRayActor:
         self.before_train_step = _load_hook(args.custom_megatron_before_train_step_hook_path)
         self.init_process_group(args)
         self.model_shape = (
-            ModelShape.from_hf_config(AutoConfig.from_pretrained(args.hf_checkpoint)) if (args.hf_checkpoint) else None
+            ModelShape.from_hf_config(load_pretrained(AutoConfig, args.hf_checkpoint, args.trust_remote_code))
+            if args.hf_checkpoint
+            else None
         )
         self.peak_tflops = device_peak_tflops(args.peak_tflops)
         return self._build(args, with_ref)

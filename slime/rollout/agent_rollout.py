@@ -60,7 +60,7 @@ async def get_proxy(args) -> TrajectoryProxy:
     if _proxy is None or _proxy.loop not in (None, asyncio.get_running_loop()):
         # The server lives in one loop; a new loop (only tests make several) needs its own.
         _proxy = TrajectoryProxy(
-            load_tokenizer(args.hf_checkpoint),
+            load_tokenizer(args.hf_checkpoint, args.trust_remote_code),
             api_key=engine_api_key(args),
             request_timeout=getattr(args, "sglang_router_request_timeout_secs", None),
         )
@@ -134,7 +134,7 @@ async def generate(
     if sample.status == Status.FAILED:
         sample.remove_sample = True  # a broken trajectory is never trained on
     if not session.turns:  # the trainer (or a retry of an aborted sample) still needs the prompt's tokens
-        sample.tokens = _prompt_tokens(load_tokenizer(args.hf_checkpoint), sample.prompt)
+        sample.tokens = _prompt_tokens(load_tokenizer(args.hf_checkpoint, args.trust_remote_code), sample.prompt)
     return sample
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from slime.utils.data import Dataset, load_dataset
-from slime.utils.misc import load_function, load_tokenizer_without_model_code
+from slime.utils.misc import load_function, load_tokenizer
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def compute_num_rollout(args: Any, dataset_len: int) -> int:
 def _load_tokenizer(args: Any) -> Any:
     if args.hf_checkpoint is None:
         raise ValueError("--apply-chat-template and --rollout-max-prompt-len need a tokenizer; pass --hf-checkpoint")
-    return load_tokenizer_without_model_code(args.hf_checkpoint)
+    return load_tokenizer(args.hf_checkpoint, args.trust_remote_code)
 
 
 class RolloutDataSource:

@@ -21,14 +21,14 @@ from typing import Any
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.utils import progress
 from slime.utils.mask_utils import tokenize_conversation
-from slime.utils.misc import load_tokenizer_without_model_code
+from slime.utils.misc import load_tokenizer
 from slime.utils.types import Sample, Status
 
 
 @functools.lru_cache(maxsize=4)
-def load_chat_tokenizer(path: str) -> Any:
+def load_chat_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     """The tokenizer of `--hf-checkpoint`, which must carry a chat template."""
-    tokenizer = load_tokenizer_without_model_code(path)
+    tokenizer = load_tokenizer(path, trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"the tokenizer of --hf-checkpoint {path} has no chat template; sft_rollout renders conversations "
@@ -119,7 +119,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         )
     if not args.hf_checkpoint:
         raise ValueError("sft_rollout needs --hf-checkpoint for the tokenizer and its chat template")
-    tokenizer = load_chat_tokenizer(args.hf_checkpoint)
+    tokenizer = load_chat_tokenizer(args.hf_checkpoint, args.trust_remote_code)
     started = time.time()
     groups = data_source.get_samples(args.rollout_batch_size)
     progress_key = f"rollout {rollout_id}"

@@ -24,8 +24,6 @@ import logging
 import time
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from slime.rollout.agent_rollout import generate as agent_generate
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.opd import score_with_teacher
@@ -36,7 +34,7 @@ from slime.utils.data import Dataset, load_dataset
 from slime.utils.engine_args import context_limit, engine_api_key
 from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
-from slime.utils.misc import load_function, maybe_await
+from slime.utils.misc import load_function, load_tokenizer, maybe_await
 from slime.utils.router_generate import generate_into_sample
 from slime.utils.run_context import RunContext
 from slime.utils.types import Sample, Status
@@ -50,7 +48,7 @@ class RolloutState:
 
     def __init__(self, args, context: RunContext | None = None):
         self.context = context if context is not None else RunContext()
-        self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        self.tokenizer = load_tokenizer(args.hf_checkpoint, args.trust_remote_code)
         num_engines = max(1, args.rollout_num_engines)
         self.max_concurrency = args.sglang_server_concurrency * num_engines
         self.semaphore: asyncio.Semaphore | None = None

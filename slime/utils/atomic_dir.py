@@ -13,6 +13,7 @@ next write to the same `final`, only when they carry the marker.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -33,9 +34,26 @@ def is_slime_folder(path: str | Path) -> bool:
     return path.is_dir() and not path.is_symlink() and (path / MARKER).is_file()
 
 
+def metadata_digests(folder: str | Path) -> dict[str, str]:
+    """SHA-256 of every torch.distributed.checkpoint index (`.metadata`) under `folder`, by relative path."""
+    folder = Path(folder)
+    return {
+        path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob(".metadata"))
+        if path.is_file()
+    }
+
+
 def write_marker(folder: str | Path, kind: str) -> None:
-    """Mark `folder` as written by slime; `kind` says what it holds (e.g. "hf-export", "checkpoint")."""
-    (Path(folder) / MARKER).write_text(json.dumps({"written_by": "slime", "kind": kind}) + "\n")
+    """Mark `folder` as written by slime; `kind` says what it holds (e.g. "hf-export", "checkpoint").
+
+    A "checkpoint" marker also records `metadata_digests(folder)`, which loading checks
+    (`slime.utils.checkpoint_safety`), so write it once the checkpoint is complete.
+    """
+    marker = {"written_by": "slime", "kind": kind}
+    if kind == "checkpoint":
+        marker["metadata_sha256"] = metadata_digests(folder)
+    (Path(folder) / MARKER).write_text(json.dumps(marker) + "\n")
 
 
 def replace_problem(path: str | Path, flag: str | None = None) -> str | None:
@@ -132,8 +150,7 @@ def publish(staging: str | Path, final: str | Path, kind: str, flag: str | None 
     """
     staging, final = Path(staging), Path(final).absolute()
     check_replaceable(final, flag)
-    if not (staging / MARKER).is_file():
-        write_marker(staging, kind)
+    write_marker(staging, kind)  # again: the one written at staging knew nothing of what was written since
     if not final.exists():
         os.replace(staging, final)
         return final

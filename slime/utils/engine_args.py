@@ -12,10 +12,12 @@ import functools
 
 
 @functools.lru_cache(maxsize=4)
-def _config_context_length(path: str) -> int:
+def _config_context_length(path: str, trust_remote_code: bool) -> int:
     from transformers import AutoConfig  # here: the engine actors import this module and need no transformers
 
-    config = AutoConfig.from_pretrained(path)
+    from slime.utils.misc import load_pretrained
+
+    config = load_pretrained(AutoConfig, path, trust_remote_code)
     config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
     return int(getattr(config, "max_position_embeddings", None) or 4096)
 
@@ -29,7 +31,7 @@ def engine_context_length(args: argparse.Namespace) -> int:
     override = (getattr(args, "sglang_server_args", None) or {}).get("context_length")
     if override and getattr(args, "rollout_backend", "sglang") != "cpu":  # the CPU engine ignores --sglang-*
         return int(override)
-    return _config_context_length(args.hf_checkpoint)
+    return _config_context_length(args.hf_checkpoint, args.trust_remote_code)
 
 
 def context_limit(args: argparse.Namespace, evaluation: bool = False) -> int:

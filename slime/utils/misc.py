@@ -81,23 +81,30 @@ def release_free_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def load_tokenizer_without_model_code(path: str):
-    """`AutoTokenizer.from_pretrained(path)` that never runs Python code shipped in the model folder.
+def load_pretrained(loader: Any, path: str, trust_remote_code: bool = False, **kwargs: Any) -> Any:
+    """`loader.from_pretrained(path, **kwargs)` (an `AutoTokenizer`, `AutoConfig`, `AutoModel...` class) that runs
+    Python code shipped in the model folder only under `--trust-remote-code`.
 
-    A `tokenizer_config.json` whose `auto_map` names a `.py` of the folder would have transformers import (run) it
-    under `trust_remote_code=True`; slime passes False everywhere, and says so when a folder needs it.
+    Without it, a folder whose `auto_map` names its own `.py` (and whose classes do not ship with transformers) is
+    refused; its code never runs.
 
     Raises:
-        ValueError: naming the folder, when its tokenizer needs its own code.
+        ValueError: naming the folder and `--trust-remote-code`, when the folder needs its own code.
     """
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        return loader.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except ValueError as error:
-        if "trust_remote_code" not in str(error):
+        if trust_remote_code or "trust_remote_code" not in str(error):
             raise
         raise ValueError(
-            f"the tokenizer of {path} needs code from its own folder (auto_map in tokenizer_config.json); slime does "
-            "not run code from model folders. Use a model whose tokenizer class ships with transformers"
+            f"{path} needs Python code from its own folder (auto_map in its config or tokenizer_config.json); slime "
+            "runs such code only with --trust-remote-code. Pass it if you trust that code, or use a model whose "
+            "classes ship with transformers"
         ) from None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of an HF folder, by `load_pretrained` (its own code runs only under `--trust-remote-code`)."""
+    from transformers import AutoTokenizer
+
+    return load_pretrained(AutoTokenizer, path, trust_remote_code)

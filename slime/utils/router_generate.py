@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from slime.utils.engine_args import engine_api_key, engine_failover_window
 from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
+from slime.utils.misc import load_pretrained
 from slime.utils.moe_routing import decode_routed_experts, routing_shape
 from slime.utils.run_context import RunContext, engine_urls, router_url
 from slime.utils.types import Sample, Status
@@ -90,8 +91,8 @@ async def _post_to_an_engine(
 
 
 @functools.lru_cache(maxsize=4)
-def _routing_shape(hf_checkpoint: str) -> tuple[int, int]:
-    shape = routing_shape(AutoConfig.from_pretrained(hf_checkpoint))
+def _routing_shape(hf_checkpoint: str, trust_remote_code: bool) -> tuple[int, int]:
+    shape = routing_shape(load_pretrained(AutoConfig, hf_checkpoint, trust_remote_code))
     if shape is None:
         raise ValueError(f"--use-rollout-routing-replay: {hf_checkpoint} is not an MoE model")
     return shape
@@ -105,7 +106,7 @@ def _routed_experts(args: argparse.Namespace, meta: dict[str, Any], num_tokens: 
             "--use-rollout-routing-replay: the engine's answer has no meta_info.routed_experts; launch SGLang "
             "with --enable-return-routed-experts (slime adds it) and serve an MoE model"
         )
-    routed = decode_routed_experts(text, *_routing_shape(args.hf_checkpoint))
+    routed = decode_routed_experts(text, *_routing_shape(args.hf_checkpoint, args.trust_remote_code))
     if routed.shape[0] > num_tokens:
         raise ValueError(f"the engine routed {routed.shape[0]} tokens of a sequence of {num_tokens}")
     return routed

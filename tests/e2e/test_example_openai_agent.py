@@ -111,7 +111,7 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_agent_reminds_calls_the_tool_and_answers_through_the_proxy(tool_model_dir):
     args = argparse.Namespace(
-        agent_function_path="agent.run", max_turns=8, hf_checkpoint=str(tool_model_dir),
+        agent_function_path="agent.run", max_turns=8, hf_checkpoint=str(tool_model_dir), trust_remote_code=False,
         sglang_api_key=None, sglang_router_request_timeout_secs=60, rollout_max_context_len=None,
     )  # fmt: skip
     # top_k 1: the model's most likely tokens, with log-probs of its whole distribution (temperature 1).

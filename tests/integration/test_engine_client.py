@@ -94,6 +94,24 @@ def test_cpu_engine_args_defaults_and_overrides():
     assert cli[-6:] == ["--max-running-requests", "8", "--max-queued-requests", "4096", "--num-threads", "2"]
 
 
+def test_trust_remote_code_reaches_both_engines_command_lines():
+    from slime.backends.cpu_engine.server import parse_args
+
+    for trust in (False, True):
+        args = slime_flags(trust_remote_code=trust)
+        sglang = build_sglang_server_args(
+            args, model_path="/m", host="h", port=1, tp_size=1, base_gpu_id=0, nccl_port=2
+        )
+        cpu = build_cpu_engine_args(args, model_path="/m", host="127.0.0.1", port=5)
+        assert ("--trust-remote-code" in sglang, "--trust-remote-code" in cpu) == (trust, trust)
+        assert parse_args(cpu).trust_remote_code is trust
+    with pytest.raises(ValueError, match="--sglang-trust-remote-code: use --trust-remote-code"):
+        build_sglang_server_args(
+            slime_flags(sglang_server_args={"trust_remote_code": True}),
+            model_path="/m", host="h", port=1, tp_size=1, base_gpu_id=0, nccl_port=2,
+        )  # fmt: skip
+
+
 def test_cpu_engine_args_forward_the_api_key_and_queue_limit(monkeypatch):
     args = slime_flags(
         cpu_engine_max_queued_requests=64, sglang_server_args={"api-key": "k3y", "mem_fraction_static": 0.5}

@@ -160,7 +160,10 @@ def test_saved_rollout_can_be_read_back(manager, tmp_path):
 
 
 def engine_headers(manager) -> dict[str, str]:
-    """The Authorization header of the key the manager's engines were started with (a fresh one per job)."""
+    """The Authorization header of the key the manager's engines were started with (a fresh one per job).
+
+    Ask before the manager is busy: the call queues behind a running `generate`, which waits on paused engines.
+    """
     return bearer_headers(engine_api_key(ray.get(manager.__ray_call__.remote(lambda self: self.args))))
 
 
@@ -193,19 +196,17 @@ def abort_all(urls, headers) -> None:
     "the engines abort a rollout's requests on their own", "those groups go back to the data source; others fill in"
 )
 def test_groups_the_engines_abort_go_back_and_others_take_their_place(manager, tmp_path):
-    urls = ray.get(manager.get_engine_urls.remote())
+    urls, headers = ray.get(manager.get_engine_urls.remote()), engine_headers(manager)
     path = str(tmp_path / "rollout_{rollout_id}.pt")
     ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", path)))
     try:
-        with engines_paused(urls, engine_headers(manager)):
+        with engines_paused(urls, headers):
             batch_ref = manager.generate.remote(7, 1)
             deadline = time.time() + 60
-            while (
-                num_waiting(urls, engine_headers(manager)) < 4
-            ):  # the first 2 groups x 2 samples, queued on the paused engines
+            while num_waiting(urls, headers) < 4:  # the first 2 groups x 2 samples, queued on the paused engines
                 assert time.time() < deadline, "the rollout's requests never reached the engines"
                 time.sleep(0.05)
-            abort_all(urls, engine_headers(manager))
+            abort_all(urls, headers)
         metrics = ray.get(batch_ref).metrics
     finally:
         ray.get(manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", None)))
@@ -223,15 +224,15 @@ def test_groups_the_engines_abort_go_back_and_others_take_their_place(manager, t
     "the engines abort every request of a rollout", "RuntimeError after 4 x --over-sampling-batch-size groups"
 )
 def test_engines_that_abort_everything_stop_the_rollout(manager):
-    urls = ray.get(manager.get_engine_urls.remote())
-    with engines_paused(urls, engine_headers(manager)):
+    urls, headers = ray.get(manager.get_engine_urls.remote()), engine_headers(manager)
+    with engines_paused(urls, headers):
         batch_ref = manager.generate.remote(8, 1)
         # Nothing can finish while paused; keep aborting what queues until the rollout gives up.
         ready = []
         deadline = time.time() + 120
         while not ready:
             assert time.time() < deadline, "the rollout kept drawing groups"
-            abort_all(urls, engine_headers(manager))
+            abort_all(urls, headers)
             ready, _ = ray.wait([batch_ref], timeout=0.05)
     with pytest.raises(ray.exceptions.RayTaskError, match=r"rollout 8: the engines aborted 9 prompt groups"):
         ray.get(batch_ref)

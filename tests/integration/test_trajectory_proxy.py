@@ -231,6 +231,7 @@ def agent_args(model_dir, engine_url: str, max_turns: int) -> argparse.Namespace
         agent_function_path="test_trajectory_proxy.tool_loop_agent",
         max_turns=max_turns,
         hf_checkpoint=str(model_dir),
+        trust_remote_code=False,
         rollout_engine_urls=[engine_url],
         sglang_api_key=API_KEY,
         sglang_router_request_timeout_secs=60,

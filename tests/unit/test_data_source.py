@@ -17,7 +17,6 @@ from slime.rollout.data_source import (
     compute_num_rollout,
     pop_first,
 )
-from slime.utils.misc import load_tokenizer_without_model_code
 from slime.utils.types import Sample, Status
 
 
@@ -51,6 +50,7 @@ def make_args(tmp_path, num_prompts=5, **overrides) -> Namespace:
         rollout_seed=42,
         rollout_max_prompt_len=None,
         hf_checkpoint=None,
+        trust_remote_code=False,
         n_samples_per_prompt=1,
         rollout_batch_size=2,
         num_rollout=None,
@@ -354,9 +354,9 @@ def test_load_keeps_the_checkpoint_shuffle_seed(tmp_path, caplog):
 
 @pytest.mark.reliability(
     "an --hf-checkpoint whose tokenizer_config.json auto_map names a .py of the folder (that writes a file when run)",
-    "ValueError naming the folder and saying slime runs no code from model folders; the .py never runs",
+    "ValueError naming the folder and --trust-remote-code; the .py never runs (it runs only under that flag)",
 )
-def test_a_tokenizer_that_needs_its_folders_code_is_refused_without_running_it(tiny_model_dir, tmp_path):
+def test_a_tokenizer_that_needs_its_folders_code_runs_it_only_with_trust_remote_code(tiny_model_dir, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -367,8 +367,12 @@ def test_a_tokenizer_that_needs_its_folders_code_is_refused_without_running_it(t
         f"open({str(ran)!r}, 'w').write('x')\n"
         "from transformers import PreTrainedTokenizerFast\n\n\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
     )
-    with pytest.raises(
-        ValueError, match="needs code from its own folder .* slime does not run code from model folders"
-    ):
-        load_tokenizer_without_model_code(str(folder))
+    flags = {"num_prompts": 1, "apply_chat_template": True, "hf_checkpoint": str(folder)}
+    with pytest.raises(ValueError, match="needs Python code from its own folder .* only with --trust-remote-code"):
+        RolloutDataSource(make_args(tmp_path, **flags))
     assert not ran.exists()
+    source = RolloutDataSource(make_args(tmp_path, **flags, trust_remote_code=True))
+    assert ran.exists()  # the folder's own tokenizer class was imported, and it renders the prompt
+    assert source.get_samples(1)[0][0].prompt == AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        [{"role": "user", "content": "prompt 0"}], add_generation_prompt=True, tokenize=False
+    )

@@ -12,15 +12,24 @@ from slime.utils.engine_args import context_limit, engine_api_key, engine_contex
 
 def test_context_length_is_the_sglang_flag_on_sglang_and_the_model_config_on_cpu(tiny_model_dir):
     positions = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
-    flagged = {"hf_checkpoint": str(tiny_model_dir), "sglang_server_args": {"context_length": 2048}}
+    flagged = {
+        "hf_checkpoint": str(tiny_model_dir),
+        "trust_remote_code": False,
+        "sglang_server_args": {"context_length": 2048},
+    }
     assert engine_context_length(Namespace(**flagged, rollout_backend="sglang")) == 2048
     assert engine_context_length(Namespace(**flagged, rollout_backend="cpu")) == positions  # the CPU engine ignores it
-    assert engine_context_length(Namespace(hf_checkpoint=str(tiny_model_dir))) == positions
+    assert engine_context_length(Namespace(hf_checkpoint=str(tiny_model_dir), trust_remote_code=False)) == positions
 
 
 def test_context_limit_is_the_requested_length_never_past_the_engine(tiny_model_dir):
     positions = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
-    args = Namespace(hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=None, eval_max_context_len=None)
+    args = Namespace(
+        hf_checkpoint=str(tiny_model_dir),
+        trust_remote_code=False,
+        rollout_max_context_len=None,
+        eval_max_context_len=None,
+    )
     assert context_limit(args) == context_limit(args, evaluation=True) == positions - 1
     args.rollout_max_context_len, args.eval_max_context_len = 100, 200
     assert (context_limit(args), context_limit(args, evaluation=True)) == (100, 200)

@@ -79,6 +79,7 @@ class CpuEngine:
         random_seed: Seeds torch's generator, used by requests without `sampling_seed`.
         num_threads: torch intra-op threads for the worker; None leaves torch's setting alone.
         tokenizer_path: Tokenizer folder when it is not `model_path`.
+        trust_remote_code: Let transformers run Python code shipped in the model folder.
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class CpuEngine:
         random_seed: int = 0,
         num_threads: int | None = None,
         tokenizer_path: str | Path | None = None,
+        trust_remote_code: bool = False,
     ):
         if not Path(model_path).is_dir():
             raise ValueError(
@@ -102,7 +104,7 @@ class CpuEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.num_threads = num_threads
         torch.manual_seed(random_seed)
-        self.model, self.tokenizer = weights.load_model(self.model_path, dtype, tokenizer_path)
+        self.model, self.tokenizer = weights.load_model(self.model_path, dtype, tokenizer_path, trust_remote_code)
         config = self.model.config
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.context_length = context_length or getattr(config, "max_position_embeddings", None) or 4096

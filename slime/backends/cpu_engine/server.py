@@ -110,6 +110,7 @@ class ServerArgs:
         api_key: When set, every endpoint but GET /health requires `Authorization: Bearer <api_key>`.
             Required for any host other than loopback.
         max_queued_requests: Most requests waiting for a batch slot; more get 503 with Retry-After.
+        trust_remote_code: Let transformers run Python code shipped in the model folder (its `auto_map`).
     """
 
     model_path: str
@@ -125,6 +126,7 @@ class ServerArgs:
     log_level: str = "info"
     api_key: str | None = None
     max_queued_requests: int = 4096
+    trust_remote_code: bool = False
 
 
 def _is_loopback(host: str) -> bool:
@@ -169,6 +171,7 @@ def build_engine(args: ServerArgs) -> CpuEngine:
         random_seed=args.random_seed,
         num_threads=args.num_threads,
         tokenizer_path=args.tokenizer_path,
+        trust_remote_code=args.trust_remote_code,
     )
 
 
@@ -895,6 +898,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         type=int,
         default=defaults.max_queued_requests,
         help="requests waiting for a batch slot before /generate answers 503",
+    )
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run Python code shipped in the model folder (auto_map)"
     )
     args = ServerArgs(**vars(parser.parse_args(argv)))
     try:

@@ -15,12 +15,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from slime.utils.misc import release_free_host_memory
+from slime.utils.misc import load_pretrained, load_tokenizer, release_free_host_memory
 
 
-def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None):
+def load_model(
+    model_path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    tokenizer_path: str | Path | None = None,
+    trust_remote_code: bool = False,
+):
     """Load a HF causal LM and its tokenizer for inference on CPU.
 
     The parameters are copied out of the memory-mapped checkpoint, so later writes to the
@@ -30,15 +35,16 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, token
         model_path: A local HF folder with safetensors weights.
         dtype: Parameter dtype; float32 on CPUs without fast bf16.
         tokenizer_path: Folder of the tokenizer when it is not `model_path`.
+        trust_remote_code: Let transformers run Python code shipped in the folder (else such a folder is refused).
 
     Returns:
         (model in eval mode, tokenizer).
     """
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    model = load_pretrained(AutoModelForCausalLM, str(model_path), trust_remote_code, dtype=dtype).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+    tokenizer = load_tokenizer(str(tokenizer_path or model_path), trust_remote_code)
     return model, tokenizer
 
 

@@ -83,6 +83,7 @@ class FSDPTrainRayActor(TrainRayActor):
             self.role,
             gradient_checkpointing=bool(args.gradient_checkpointing or recompute),
             attn_implementation=attention,
+            trust_remote_code=args.trust_remote_code,
         )
         self.attn_implementation = model.config._attn_implementation
         # the probe of `check_weights_equal` (actor only: the critic's ValueModel has no LM embeddings API)
@@ -258,7 +259,7 @@ class FSDPTrainRayActor(TrainRayActor):
         )
 
     def _save_hf(self, path: str) -> None:
-        checkpoint.save_hf_checkpoint(self.model, path, self.args.hf_checkpoint)
+        checkpoint.save_hf_checkpoint(self.model, path, self.args.hf_checkpoint, self.args.trust_remote_code)
 
     def _hf_weight_buckets(self, dtype: torch.dtype | None) -> Iterator[Bucket]:
         return full_parameter_buckets(self.model, self.args.update_weight_buffer_size, dtype)

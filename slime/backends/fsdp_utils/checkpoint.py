@@ -9,10 +9,11 @@ Layout of `--save DIR` (the critic uses `DIR/critic`; see `slime.utils.run_dir`)
         scheduler.pt  LR scheduler state
         rng/rank_00000.pt ...   python / numpy / torch (/ CUDA) RNG state of each rank
         meta.json     {"rollout_id", "world_size", "role", "has_optimizer"}
-        .slime-folder marker: slime wrote this folder
+        .slime-folder marker: slime wrote this folder, with the SHA-256 of model/ and optim/'s DCP indexes
 
 DCP stores tensors with their global shapes, so a checkpoint loads at any world size (RNG states
-are restored only for ranks that have one). Everything but DCP is read with `weights_only=True`.
+are restored only for ranks that have one). Everything but DCP is read with `weights_only=True`; DCP's own
+index (a pickle torch reads unrestricted) is checked first by `slime.utils.checkpoint_safety`.
 
 Atomicity: every rank writes into `.iter_XXXXXXX.slime-tmp-<pid>` (`slime.utils.atomic_dir`); once all
 are done rank 0 renames it to `iter_XXXXXXX`. The tracker is written last, by the driver once every
@@ -44,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import gather_full_state_dict, reshard, save_hf_folder
 from slime.utils import atomic_dir, run_dir
+from slime.utils.checkpoint_safety import check_checkpoint
 from slime.utils.device import cuda_available
 
 logger = logging.getLogger(__name__)
@@ -189,6 +191,10 @@ def load_checkpoint(
 
     Returns:
         The rollout id of the checkpoint.
+
+    Raises:
+        UntrustedCheckpointError: the folder was not written by slime, or was changed since (checked before torch
+            unpickles anything of it).
     """
     if rollout_id is None:
         rollout_id = latest_iteration(root)
@@ -200,6 +206,7 @@ def load_checkpoint(
             f"{folder} (rollout {rollout_id}, named by {run_dir.tracker_file(root)}) is missing or incomplete; "
             "point --load at a folder saved by slime's FSDP trainer"
         )
+    check_checkpoint(folder, "--load")
     with open(os.path.join(folder, "meta.json")) as f:
         meta = json.load(f)
 
@@ -245,13 +252,17 @@ def read_checkpoint_shards(root: str, model: nn.Module, rollout_id: int | None =
         rollout_id = latest_iteration(root)
         if rollout_id is None:
             raise ValueError(f"{root} has no {TRACKER_FILE}; point --ref-load at a HF folder or an FSDP checkpoint")
+    folder = iteration_dir(root, rollout_id)
+    check_checkpoint(folder, "--ref-load")
     reshard(model)
     template = {name: param.detach().clone() for name, param in model.named_parameters()}
-    dcp.load({"model": template}, checkpoint_id=os.path.join(iteration_dir(root, rollout_id), "model"))
+    dcp.load({"model": template}, checkpoint_id=os.path.join(folder, "model"))
     return {name: (t.to_local() if isinstance(t, DTensor) else t).cpu() for name, t in template.items()}
 
 
-def save_hf_checkpoint(model: nn.Module, path: str, tokenizer_path: str | None) -> None:
+def save_hf_checkpoint(
+    model: nn.Module, path: str, tokenizer_path: str | None, trust_remote_code: bool = False
+) -> None:
     """Write a HF folder loadable by `AutoModelForCausalLM.from_pretrained` (atomically). A collective.
 
     The folder is written beside `path` and renamed into place; an existing `path` is replaced only if
@@ -261,6 +272,7 @@ def save_hf_checkpoint(model: nn.Module, path: str, tokenizer_path: str | None) 
         model: The sharded actor.
         path: Output folder (`--save-hf` with `{rollout_id}` filled in).
         tokenizer_path: Folder of the tokenizer to copy in (`--hf-checkpoint`).
+        trust_remote_code: `--trust-remote-code` (the model's classes may come from its folder).
 
     Raises:
         FileExistsError: `path` exists and slime did not write it (checked before any work).
@@ -270,6 +282,6 @@ def save_hf_checkpoint(model: nn.Module, path: str, tokenizer_path: str | None) 
     full_state_dict = gather_full_state_dict(model)
     if _rank() == 0:
         staging = atomic_dir.create_staging(path, "hf-export", "--save-hf")
-        save_hf_folder(model, full_state_dict, str(staging), tokenizer_path)
+        save_hf_folder(model, full_state_dict, str(staging), tokenizer_path, trust_remote_code)
         atomic_dir.publish(staging, path, "hf-export", "--save-hf")
     _barrier()

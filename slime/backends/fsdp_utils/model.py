@@ -28,10 +28,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM
 
 from slime.backends.fsdp_utils.data_packing import PackedMicroBatch
 from slime.utils.device import default_device
+from slime.utils.misc import load_pretrained, load_tokenizer
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -73,7 +74,11 @@ class ValueModel(nn.Module):
 
 
 def load_model(
-    path: str, role: str = "actor", gradient_checkpointing: bool = False, attn_implementation: str | None = None
+    path: str,
+    role: str = "actor",
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Load an unsharded float32 model from a HF folder on CPU.
 
@@ -82,6 +87,7 @@ def load_model(
         role: "actor" (causal LM) or "critic" (`ValueModel` on the same backbone; the LM head is dropped).
         gradient_checkpointing: Recompute each decoder layer's activations in backward.
         attn_implementation: HF attention implementation ("sdpa", "eager", "flash_attention_2"); None: the default.
+        trust_remote_code: Let transformers run Python code shipped in the folder (`--trust-remote-code`).
 
     Returns:
         The model, in train mode.
@@ -90,10 +96,10 @@ def load_model(
         raise ValueError(f"{path!r} is not a HuggingFace model folder (no config.json); check --hf-checkpoint / --load")
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if role == "actor":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+        model = load_pretrained(AutoModelForCausalLM, path, trust_remote_code, dtype=torch.float32, **kwargs)
         hf_model = model
     elif role == "critic":
-        hf_model = AutoModel.from_pretrained(path, dtype=torch.float32, **kwargs)
+        hf_model = load_pretrained(AutoModel, path, trust_remote_code, dtype=torch.float32, **kwargs)
         model = ValueModel(hf_model)
     else:
         raise ValueError(f"unknown role {role!r}; use 'actor' or 'critic'")
@@ -383,7 +389,11 @@ def read_hf_state_dict(path: str, role: str) -> dict[str, torch.Tensor]:
 
 
 def save_hf_folder(
-    model: nn.Module, full_state_dict: dict[str, torch.Tensor], path: str, tokenizer_path: str | None
+    model: nn.Module,
+    full_state_dict: dict[str, torch.Tensor],
+    path: str,
+    tokenizer_path: str | None,
+    trust_remote_code: bool = False,
 ) -> None:
     """Write a HF folder (config, safetensors weights, generation config, tokenizer) from full weights.
 
@@ -395,11 +405,12 @@ def save_hf_folder(
         full_state_dict: From `gather_full_state_dict`.
         path: Output folder (created).
         tokenizer_path: Folder whose tokenizer is saved alongside (skipped when None).
+        trust_remote_code: The model's or tokenizer's classes come from the model folder (`--trust-remote-code`).
     """
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     plain.load_state_dict(full_state_dict, strict=False, assign=True)
     plain.tie_weights()
     plain.save_pretrained(path, safe_serialization=True)
     if tokenizer_path is not None:
-        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
+        load_tokenizer(tokenizer_path, trust_remote_code).save_pretrained(path)

@@ -169,7 +169,9 @@ class MegatronTrainRayActor(TrainRayActor):
         start_hf = args.load if args.load and checkpoint.is_hf_checkpoint(args.load) else args.hf_checkpoint
         if with_ref:
             ref_source = args.ref_load or start_hf
-            checkpoint.load_checkpoint(ref_source, self.model, iteration=self._ref_iteration(ref_source))
+            checkpoint.load_checkpoint(
+                ref_source, self.model, iteration=self._ref_iteration(ref_source), flag="--ref-load"
+            )
             self.ref_weights = self._snapshot_weights()
         if self.value_head:
             load_backbone_from_hf(self.model, start_hf)  # the value head keeps its zeros

@@ -41,6 +41,7 @@ from slime.backends.megatron_utils.hf_to_megatron import load_hf_weights
 from slime.backends.megatron_utils.megatron_to_hf import megatron_state_to_hf
 from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.utils import atomic_dir, run_dir
+from slime.utils.checkpoint_safety import check_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +237,8 @@ def load_checkpoint(
     opt_param_scheduler=None,
     iteration: int | None = None,
     family: str | None = None,
+    flag: str = "--load",
+    require_marker: bool = True,
 ) -> tuple[int, dict[str, Any]]:
     """Load weights (and optimizer state if saved) from a torch_dist checkpoint or an HF folder.
 
@@ -248,6 +251,8 @@ def load_checkpoint(
         opt_param_scheduler: restored when saved.
         iteration: a specific saved iteration under the root (default: the tracker's).
         family: model family for an HF folder (default: its config's model_type).
+        flag, require_marker: for `checkpoint_safety.check_checkpoint`, run on a torch_dist folder before
+            torch unpickles its index.
 
     Returns:
         (iteration, the remaining common state: `extra_state` given at save time), (0, {}) for an HF folder.
@@ -261,6 +266,7 @@ def load_checkpoint(
         return 0, {}
 
     directory, found_iteration = resolve_checkpoint(path, iteration)
+    check_checkpoint(directory, flag, require_marker)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     if optimizer is not None and "optimizer" not in common:
         logger.info("%s has no optimizer state; the optimizer starts fresh", directory)

@@ -118,7 +118,10 @@ def export_checkpoint_to_hf(
     check_replaceable(output_dir, "--output-dir")  # before minutes of loading, on every rank alike
     init_distributed(args)
     model = build_model(args, wrap_with_ddp=False)
-    loaded_iteration, _ = load_checkpoint(checkpoint, model, iteration=iteration)
+    # The way in for torch_dist checkpoints slime did not write: their index must still name only DCP's classes.
+    loaded_iteration, _ = load_checkpoint(
+        checkpoint, model, iteration=iteration, flag="--input-dir", require_marker=False
+    )
     weights_dtype = getattr(torch, dtype) if dtype else None
     output = save_hf_checkpoint(
         model, output_dir, origin_hf_dir, family, dtype=weights_dtype, progress=True, flag="--output-dir"

@@ -117,8 +117,8 @@ def build_sglang_server_args(
 
     Args:
         args: slime's parsed arguments; reads `sglang_server_args` (dict of user `--sglang-*` flags),
-            `offload_rollout` (adds `--enable-memory-saver` so weights and KV cache can be released) and
-            `use_rollout_routing_replay` (adds `--enable-return-routed-experts`).
+            `offload_rollout` (adds `--enable-memory-saver` so weights and KV cache can be released),
+            `use_rollout_routing_replay` (adds `--enable-return-routed-experts`) and `trust_remote_code`.
         model_path: HF checkpoint directory the engine loads.
         host: Address the HTTP server binds.
         port: HTTP port.
@@ -157,6 +157,7 @@ def build_sglang_server_args(
         "node_rank": node_rank,
         "enable_memory_saver": bool(args.offload_rollout),
         "enable_return_routed_experts": bool(args.use_rollout_routing_replay),
+        "trust_remote_code": bool(args.trust_remote_code),
     }
     parser = sglang_cli_parser()
     return options_to_cli_args(slime_options) + options_to_cli_args(drop_parser_defaults(user_options, parser), parser)
@@ -166,8 +167,8 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     """Arguments for `python -m slime.backends.cpu_engine` for one engine.
 
     Args:
-        args: slime's parsed arguments; reads `cpu_engine_max_running_requests`, `cpu_engine_max_queued_requests`
-            and `cpu_engine_num_threads` (torch threads of the engine process). Of the `--sglang-*` flags only
+        args: slime's parsed arguments; reads `cpu_engine_max_running_requests`, `cpu_engine_max_queued_requests`,
+            `cpu_engine_num_threads` (torch threads of the engine process) and `trust_remote_code`. Of the `--sglang-*` flags only
             `--sglang-api-key` means something to the CPU engine, and it goes by the environment
             (`ENGINE_API_KEY_ENV`), not these arguments; the others are ignored with a warning.
         model_path: HF checkpoint directory the engine loads.
@@ -189,6 +190,7 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
             "max_running_requests": args.cpu_engine_max_running_requests,
             "max_queued_requests": args.cpu_engine_max_queued_requests,
             "num_threads": cpu_engine_num_threads(args),
+            "trust_remote_code": bool(args.trust_remote_code),
         }
     )
 

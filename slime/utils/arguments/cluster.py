@@ -31,6 +31,7 @@ SGLANG_MANAGED_FIELDS: dict[str, str] = {
     "nccl_port": "nothing (slime picks a free port)",
     "enable_memory_saver": "--offload-rollout",
     "skip_server_warmup": "nothing (slime decides)",
+    "trust_remote_code": "--trust-remote-code",
 }
 
 

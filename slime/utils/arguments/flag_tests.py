@@ -131,6 +131,10 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     "ref_ckpt_step": ("test_flag_effects_with_actors.py::test_checkpoint_flags_choose_what_is_saved_and_loaded",),
     # ---- model, rollout functions and hooks -------------------------------------------------------------------
     "hf_checkpoint": ("test_data_source.py::test_tokenizer_is_loaded_from_hf_checkpoint_for_chat_template",),
+    "trust_remote_code": (
+        "test_data_source.py::test_a_tokenizer_that_needs_its_folders_code_runs_it_only_with_trust_remote_code",
+        "test_engine_client.py::test_trust_remote_code_reaches_both_engines_command_lines",
+    ),
     "model_name": ("test_megatron_convert.py::test_tool_rejects_an_unknown_family",),
     "rollout_function_path": ("test_flags_behaviour.py::test_manager_converts_logs_and_saves_train_data",),
     "custom_generate_function_path": ("test_docs.py::test_generate_snippet_builds_a_masked_multi_turn_sample",),

@@ -13,6 +13,12 @@ DEFAULT_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffe
 def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("rollout")
     group.add_argument("--hf-checkpoint", default=None, help="HF model folder: engine weights, tokenizer, config.")
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Let transformers (trainer, rollout, engines; SGLang's own flag too) run Python code shipped in the "
+        "model folder (auto_map). Off by default: a model that needs it is refused, naming this flag.",
+    )
     group.add_argument("--model-name", default=None, help="Model family for weight-name conversion.")
     group.add_argument(
         "--rollout-function-path",
