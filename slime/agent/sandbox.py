@@ -11,10 +11,18 @@ How the child is confined (Linux):
   user namespace is used instead (RLIMIT_NPROC is then counted per namespace, Linux >= 5.14).
 - A new PID namespace: the program is pid 1 there, so when it ends or is killed the kernel kills and reaps all it
   started, even processes that left the process group. A new network namespace (only a loopback that is down)
-  unless `allow_network`. A new mount namespace where /tmp, /var/tmp and /dev/shm are one private tmpfs of
+  unless `allow_network`. A new IPC namespace (SysV shared memory, semaphores and message queues die with the
+  run). A new mount namespace where /tmp, /var/tmp, /dev/shm, /run/lock and /var/lock are one private tmpfs of
   `memory_mb` (also the working directory), /proc shows only the sandbox, and directories the sandbox uid cannot
   enter on the way to the interpreter (e.g. /root for a pyenv Python) are covered by an empty tmpfs with only the
   interpreter's prefix bound back.
+- `memory_mb` bounds the whole process tree, not only each process (RLIMIT_AS alone lets 32 processes take 32
+  times the limit): each run gets its own memory cgroup (v2 `memory.max`, or v1 `memory.limit_in_bytes`) where the
+  machine lets slime make one, and the kernel's OOM killer acts inside it. Elsewhere it logs once that the limit
+  is per process.
+- `PR_SET_NO_NEW_PRIVS` and a seccomp filter that refuses new user namespaces (`unshare`/`clone` with
+  CLONE_NEWUSER; `clone3` answers ENOSYS so libc falls back to `clone`): inside, no process gains capabilities
+  (unless `allow_user_namespaces`).
 - If namespaces cannot be set up (e.g. a container without CAP_SYS_ADMIN), the sandbox still runs with the uid
   and rlimits in a temporary directory, is cleaned up by process group and uid, and logs once that network and
   /tmp isolation are missing.
@@ -25,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -33,6 +42,7 @@ import re
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -43,11 +53,14 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 22, 38
+# Host directories anyone may write, each covered by the sandbox's own tmpfs.
+SHARED_WRITABLE_DIRS = ("/var/tmp", "/dev/shm", "/run/lock", "/var/lock")
 
 # Fresh uids for sandboxes, far above ordinary accounts and system ranges (subuid ranges start at 100000).
 UID_BASE, UID_RANGE = 1_500_000_000, 1 << 24
@@ -65,6 +78,7 @@ class SandboxLimits:
     max_output_bytes: int = 16_384
     max_processes: int = 32
     allow_network: bool = False
+    allow_user_namespaces: bool = False  # for a program that runs sandboxes of its own (slime's tests do)
 
 
 @dataclass
@@ -140,9 +154,10 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
             except TimeoutError:
                 logger.warning("sandbox output pipes stayed open after its processes were killed")
         elapsed = time.monotonic() - start
+        oom_kills = spawn.cgroup.oom_kills() if spawn.cgroup is not None else 0
     finally:
         spawn.cleanup()
-    return _result(capture, proc.returncode, killed, limits, elapsed)
+    return _result(capture, proc.returncode, killed, limits, elapsed, oom_kills)
 
 
 def run_python_sync(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
@@ -181,6 +196,7 @@ class _Plan:
     namespaces: bool
     holes: tuple[str, ...]  # directories to cover with an empty tmpfs (the sandbox uid cannot enter them)
     interpreter: tuple[str, ...]  # directories bound back into the mount namespace so the interpreter runs
+    cgroup_parent: str | None = None  # where each run's memory cgroup is made; None: the limit is per process
 
 
 @functools.cache
@@ -188,7 +204,14 @@ def _plan() -> _Plan:
     as_root = os.geteuid() == 0
     interpreter = _interpreter_dirs()
     holes = tuple(sorted({h for d in interpreter if (h := _first_closed_ancestor(d))})) if as_root else ()
-    full = _Plan(as_root, True, holes, interpreter)
+    cgroup_parent = _memory_cgroup_parent()
+    if cgroup_parent is None:
+        logger.warning(
+            "sandbox: no memory cgroup can be made here, so memory_mb bounds each sandboxed process, not the "
+            "processes of one run together. Run slime where it may create cgroups (root, or a delegated cgroup v2 "
+            "subtree with the memory controller) to bound the whole run."
+        )
+    full = _Plan(as_root, True, holes, interpreter, cgroup_parent)
     error = _probe(full)
     if not error:
         return full
@@ -197,7 +220,7 @@ def _plan() -> _Plan:
         "shared /tmp. Run with CAP_SYS_ADMIN (or unprivileged user namespaces enabled) for full isolation.",
         error,
     )
-    degraded = _Plan(as_root, False, (), interpreter)
+    degraded = _Plan(as_root, False, (), interpreter, cgroup_parent)
     if error := _probe(degraded):
         raise RuntimeError(
             f"the code sandbox cannot run {sys.executable}: {error}. Without mount namespaces the interpreter "
@@ -219,6 +242,93 @@ def _probe(plan: _Plan) -> str | None:
     if out.stdout == b"ok\n":
         return None
     return out.stderr.decode(errors="replace").strip().removeprefix(SETUP_ERROR) or f"exit code {out.returncode}"
+
+
+def _memory_cgroup_parent() -> str | None:
+    """A cgroup folder under which this process can make a memory-limited child cgroup (v2 or v1), or None."""
+    candidates = []
+    with contextlib.suppress(OSError):
+        for line in open("/proc/self/cgroup").read().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # v2: children need "memory" in the parent's cgroup.subtree_control
+                candidates.append(os.path.join("/sys/fs/cgroup", path.lstrip("/")))
+            elif "memory" in controllers.split(","):
+                candidates.append(os.path.join("/sys/fs/cgroup/memory", path.lstrip("/")))
+    for parent in candidates:
+        _remove_cgroups_of_dead_processes(parent)
+        probe = _MemoryCgroup.create(parent, 64)
+        if probe is not None:
+            probe.remove()
+            return parent
+    return None
+
+
+def _remove_cgroups_of_dead_processes(parent: str) -> None:
+    """Run cgroups left by a slime process that was killed (rmdir removes only a cgroup with no process in it)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            match = re.fullmatch(r"slime-sandbox-(\d+)-[0-9a-f]{8}", name)
+            if match and not os.path.exists(f"/proc/{match.group(1)}"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(parent, name))
+
+
+class _MemoryCgroup:
+    """One run's memory cgroup: its processes together may use `memory_mb` (swap included where it can be set)."""
+
+    def __init__(self, path: str, v2: bool):
+        self.path, self.v2 = path, v2
+
+    @staticmethod
+    def create(parent: str, memory_mb: int) -> _MemoryCgroup | None:
+        v2 = os.path.isfile(os.path.join(parent, "cgroup.controllers"))
+        limit_file = "memory.max" if v2 else "memory.limit_in_bytes"
+        path = os.path.join(parent, f"slime-sandbox-{os.getpid()}-{random.randrange(1 << 32):08x}")
+        try:
+            os.mkdir(path, 0o755)
+        except OSError:
+            return None
+        group = _MemoryCgroup(path, v2)
+        try:
+            group._write(limit_file, memory_mb << 20)
+            for swap_file in ("memory.swap.max",) if v2 else ("memory.memsw.limit_in_bytes",):
+                if os.path.exists(os.path.join(path, swap_file)):
+                    group._write(swap_file, 0 if v2 else memory_mb << 20)
+        except OSError:
+            group.remove()
+            return None
+        return group
+
+    def _write(self, name: str, value: int) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(str(value))
+
+    def join(self) -> None:
+        """Move the calling process in (its children follow)."""
+        self._write("cgroup.procs", os.getpid())
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for the limit (v1 without an `oom_kill` count: times the limit was hit)."""
+        with contextlib.suppress(OSError, ValueError):
+            name = "memory.events" if self.v2 else "memory.oom_control"
+            for line in open(os.path.join(self.path, name)).read().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+            if not self.v2:
+                return int(open(os.path.join(self.path, "memory.failcnt")).read())
+        return 0
+
+    def remove(self) -> None:
+        for _ in range(50):  # the kernel takes a moment to let go of the last, just-killed processes
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.02)
+        logger.warning("sandbox: could not remove cgroup %s", self.path)
 
 
 def _interpreter_dirs() -> tuple[str, ...]:
@@ -248,6 +358,7 @@ class _Spawn:
     limits: SandboxLimits
     uid: int | None  # the fresh uid when running as root
     workdir: str | None  # host temporary directory, only without a mount namespace (else a private tmpfs)
+    cgroup: _MemoryCgroup | None  # bounds the memory of the whole run, where the machine allows one
     argv: tuple[str, ...] = (sys.executable, "-I", "-u", SCRIPT)
 
     @staticmethod
@@ -258,7 +369,8 @@ class _Spawn:
             workdir = tempfile.mkdtemp(prefix="slime-sandbox-")
             if uid is not None:
                 os.chown(workdir, uid, uid)
-        return _Spawn(plan, limits, uid, workdir)
+        cgroup = _MemoryCgroup.create(plan.cgroup_parent, limits.memory_mb) if plan.cgroup_parent else None
+        return _Spawn(plan, limits, uid, workdir, cgroup)
 
     def popen_kwargs(self, code: str) -> dict:
         home = self.workdir or "/tmp"
@@ -301,6 +413,8 @@ class _Spawn:
     def cleanup(self) -> None:
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
 
 def _kill_uid(uid: int) -> None:
@@ -334,6 +448,8 @@ def _child_setup(spawn: _Spawn, code: bytes) -> None:
     try:
         plan, limits, uid = spawn.plan, spawn.limits, spawn.uid
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if spawn.cgroup is not None:
+            spawn.cgroup.join()
         if plan.namespaces:
             _unshare(plan, limits)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until the relay knows whom to kill
@@ -361,13 +477,16 @@ def _child_setup(spawn: _Spawn, code: bytes) -> None:
             os.setresuid(uid, uid, uid)
         if plan.namespaces:  # set after the uid change, which clears it: die with the relaying parent
             _sys("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _sys("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        if not limits.allow_user_namespaces:
+            _refuse_user_namespaces()
     except BaseException as e:
         os.write(2, f"{SETUP_ERROR}{e!r}\n".encode())
         os._exit(126)
 
 
 def _unshare(plan: _Plan, limits: SandboxLimits) -> None:
-    flags = CLONE_NEWNS | CLONE_NEWPID | (0 if limits.allow_network else CLONE_NEWNET)
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if limits.allow_network else CLONE_NEWNET)
     if plan.as_root:
         _sys("unshare", flags)
         return
@@ -377,6 +496,53 @@ def _unshare(plan: _Plan, limits: SandboxLimits) -> None:
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
+
+
+# seccomp filter (classic BPF over `struct seccomp_data`: nr at offset 0, arch at 4, args[0] at 16).
+_AUDIT_ARCHES = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_SYSCALLS = {
+    "x86_64": {"unshare": 272, "clone": 56, "clone3": 435},
+    "aarch64": {"unshare": 97, "clone": 220, "clone3": 435},
+}
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JSET_K, _BPF_RET_K = 0x20, 0x15, 0x45, 0x06
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _SECCOMP_MODE_FILTER = 0x7FFF0000, 0x00050000, 2
+
+
+def _user_namespace_filter(machine: str) -> bytes | None:
+    """The BPF program: unshare/clone with CLONE_NEWUSER get EPERM, clone3 gets ENOSYS (its flags sit in memory a
+    filter cannot read; libc then uses clone), everything else passes. None on an architecture not listed."""
+    if machine not in _SYSCALLS:
+        return None
+    nr = _SYSCALLS[machine]
+    allow, enosys = _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO | errno.ENOSYS
+    program = [  # (code, jump if true, jump if false, k)
+        (_BPF_LD_W_ABS, 0, 0, 4),
+        (_BPF_JEQ_K, 1, 0, _AUDIT_ARCHES[machine]),
+        (_BPF_RET_K, 0, 0, allow),
+        (_BPF_LD_W_ABS, 0, 0, 0),
+        (_BPF_JEQ_K, 0, 1, nr["clone3"]),
+        (_BPF_RET_K, 0, 0, enosys),
+        (_BPF_JEQ_K, 1, 0, nr["unshare"]),
+        (_BPF_JEQ_K, 0, 3, nr["clone"]),
+        (_BPF_LD_W_ABS, 0, 0, 16),
+        (_BPF_JSET_K, 0, 1, CLONE_NEWUSER),
+        (_BPF_RET_K, 0, 0, _SECCOMP_RET_ERRNO | errno.EPERM),
+        (_BPF_RET_K, 0, 0, allow),
+    ]
+    return b"".join(struct.pack("HBBI", *instruction) for instruction in program)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _refuse_user_namespaces() -> None:
+    program = _user_namespace_filter(os.uname().machine)
+    if program is None:
+        return
+    buffer = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
+    _sys("prctl", PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0)
 
 
 def _kill_if_alive(pid: int) -> None:
@@ -412,22 +578,24 @@ def _mount_private_tree(plan: _Plan, limits: SandboxLimits, uid: int | None) -> 
         os.makedirs(directory, exist_ok=True)
         _sys("mount", f"/proc/self/fd/{fd}".encode(), directory.encode(), None, MS_BIND | MS_REC, None)
         os.close(fd)
-    for shared in ("/var/tmp", "/dev/shm"):
+    for shared in SHARED_WRITABLE_DIRS:
         if os.path.isdir(shared):
             _sys("mount", b"/tmp", shared.encode(), None, MS_BIND, None)
     _sys("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)  # only our own processes
     os.chdir("/tmp")
 
 
-def _result(capture: _Capture, returncode: int, killed: bool, limits: SandboxLimits, elapsed: float) -> SandboxResult:
+def _result(
+    capture: _Capture, returncode: int, killed: bool, limits: SandboxLimits, elapsed: float, oom_kills: int = 0
+) -> SandboxResult:
     stdout = capture.stdout.decode(errors="replace")
     stderr = capture.stderr.decode(errors="replace")
     violations = []
     if capture.timed_out:
         violations.append(f"wall-clock limit of {limits.wall_time_s:g} s")
-    if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and not killed):
+    if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and not killed and not oom_kills):
         violations.append(f"CPU time limit of {limits.cpu_time_s:g} s")
-    if re.search(r"MemoryError\b|Cannot allocate memory", stderr):
+    if oom_kills or re.search(r"MemoryError\b|Cannot allocate memory", stderr):
         violations.append(f"memory limit of {limits.memory_mb} MB")
     if re.search(r"BlockingIOError: \[Errno 11\]|can't start new thread", stderr):
         violations.append(f"process limit of {limits.max_processes}")

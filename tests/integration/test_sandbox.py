@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import random
 import socket
 import sys
 import threading
@@ -144,6 +145,79 @@ def test_one_gigabyte_allocation_hits_the_memory_limit():
     assert result.exit_code == 1 and result.violation == "memory limit of 256 MB"
     assert result.stdout == "before\n"
     assert result.as_tool_message() == "before\nError: memory limit of 256 MB; MemoryError (line 2)"
+
+
+@pytest.mark.reliability(
+    "model code forking 6 children that each fill 100 MB (memory_mb=256; RLIMIT_AS alone allows each 256 MB)",
+    "the run's memory cgroup holds them to 256 MB together: the kernel kills children past it; the tool message "
+    "names the memory limit",
+)
+def test_memory_limit_bounds_the_whole_process_tree():
+    if sandbox._plan().cgroup_parent is None:
+        pytest.skip("no memory cgroup can be made on this machine (the sandbox logs that the limit is per process)")
+    code = """
+import os, time
+children = []
+for _ in range(6):
+    if (pid := os.fork()) == 0:
+        block = bytearray(100 << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(2)
+        os._exit(0)
+    children.append(pid)
+print(sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == -9 for pid in children), "killed")
+"""
+    result = run_python_sync(code, limits(wall_time_s=30, cpu_time_s=30))
+    assert result.violation == "memory limit of 256 MB", result
+    # The kernel picks its victims: children (at most two 100 MB ones fit in 256 MB), or the program itself.
+    if result.exit_code is not None:
+        assert int(result.stdout.split()[0]) >= 6 - 256 // 100, result
+    parent = sandbox._plan().cgroup_parent
+    assert not [d for d in os.listdir(parent) if d.startswith(f"slime-sandbox-{os.getpid()}-")]  # removed after
+
+
+@pytest.mark.reliability(
+    "model code making three SysV shared-memory segments and writing files in /run/lock and /var/lock",
+    "all gone with the run: its own IPC namespace and a private tmpfs on those folders; the host sees none",
+)
+def test_ipc_objects_and_lock_files_do_not_outlive_the_run(isolated):
+    keys = [random.randrange(1 << 24, 1 << 30) for _ in range(3)]
+    name = f"slime-sandbox-probe-{uuid.uuid4().hex}"
+    code = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print([libc.shmget(key, 1 << 20, 0o1666) >= 0 for key in {keys}])
+for folder in ("/run/lock", "/var/lock"):
+    if os.path.isdir(folder):
+        open(os.path.join(folder, "{name}"), "w").write("left behind?")
+"""
+    result = run_python_sync(code, limits())
+    assert result.ok() and result.stdout == "[True, True, True]\n", result
+    host_keys = {int(line.split()[0]) for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]}
+    assert not host_keys & set(keys)
+    assert not any(Path(folder, name).exists() for folder in ("/run/lock", "/var/lock"))
+
+
+@pytest.mark.reliability(
+    "model code creating a user namespace (ctypes unshare(CLONE_NEWUSER)) to get a full capability set",
+    "EPERM: no_new_privs and a seccomp filter refuse new user namespaces inside the sandbox",
+)
+def test_no_user_namespaces_and_no_new_privileges_inside():
+    code = """
+import ctypes, os, threading, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))
+status = dict(line.split(":\t") for line in open("/proc/self/status").read().splitlines() if ":\t" in line)
+print(status["NoNewPrivs"], status["Seccomp"])
+thread = threading.Thread(target=print, args=("threads work",))
+thread.start()
+thread.join()
+print(subprocess.run(["/bin/echo", "subprocesses work"], capture_output=True, text=True).stdout.strip())
+"""
+    result = run_python_sync(code, limits())
+    assert result.ok(), result
+    assert result.stdout.splitlines() == ["-1 Operation not permitted", "1 2", "threads work", "subprocesses work"]
 
 
 def _listening_server() -> socket.socket:
@@ -330,7 +404,8 @@ r = run_python_sync("import os, time\\nprint(os.getuid(), flush=True)\\ntime.sle
 print(r.stdout.strip(), r.violation)
 """
     )
-    result = run_python_sync(inner, limits(wall_time_s=20, cpu_time_s=20, memory_mb=1024, max_processes=64))
+    outer = limits(wall_time_s=20, cpu_time_s=20, memory_mb=1024, max_processes=64, allow_user_namespaces=True)
+    result = run_python_sync(inner, outer)
     assert result.ok(), result
     first, second = result.stdout.splitlines()
     namespaces, uid, violation = first.split(" ", 2)
