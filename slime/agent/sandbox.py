@@ -250,11 +250,15 @@ def _memory_cgroup_parent() -> str | None:
     with contextlib.suppress(OSError):
         for line in open("/proc/self/cgroup").read().splitlines():
             _, controllers, path = line.split(":", 2)
-            if controllers == "":  # v2: children need "memory" in the parent's cgroup.subtree_control
-                candidates.append(os.path.join("/sys/fs/cgroup", path.lstrip("/")))
+            if controllers == "":  # v2 (mounted at the top, or beside v1 as "unified"); needs memory delegated
+                candidates += [
+                    os.path.join(root, path.lstrip("/")) for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+                ]
             elif "memory" in controllers.split(","):
                 candidates.append(os.path.join("/sys/fs/cgroup/memory", path.lstrip("/")))
-    for parent in candidates:
+    # Only real cgroup folders: the kernel fills them with cgroup.procs (a plain folder, e.g. the tmpfs that holds
+    # v1 mounts, would take a mkdir and look like one).
+    for parent in [c for c in candidates if os.path.isfile(os.path.join(c, "cgroup.procs"))]:
         _remove_cgroups_of_dead_processes(parent)
         probe = _MemoryCgroup.create(parent, 64)
         if probe is not None:
@@ -300,8 +304,12 @@ class _MemoryCgroup:
         return group
 
     def _write(self, name: str, value: int) -> None:
-        with open(os.path.join(self.path, name), "w") as f:
-            f.write(str(value))
+        # No O_CREAT: a control file the kernel did not make means this is no memory cgroup.
+        fd = os.open(os.path.join(self.path, name), os.O_WRONLY)
+        try:
+            os.write(fd, str(value).encode())
+        finally:
+            os.close(fd)
 
     def join(self) -> None:
         """Move the calling process in (its children follow)."""
