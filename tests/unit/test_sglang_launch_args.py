@@ -297,9 +297,16 @@ def test_keyed_launch_hands_the_key_to_the_server_but_not_to_its_command_line(tm
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     launch = [sys.executable, "-m", "slime.backends.sglang_utils.keyed_launch", "fake_server", "--port", "1"]
-    keyed = subprocess.run(launch, env=env | {ENGINE_API_KEY_ENV: "s3cret"}, capture_output=True, text=True, check=True)
+    # Generated keys are URL-safe base64, so one in 64 starts with "-": it must still read as the key's value.
+    keyed = subprocess.run(
+        launch, env=env | {ENGINE_API_KEY_ENV: "-s3cret"}, capture_output=True, text=True, check=True
+    )
     seen = json.loads(keyed.stdout)
-    assert seen["argv"] == ["--port", "1", "--api-key", "s3cret"]
+    assert seen["argv"] == ["--port", "1", "--api-key=-s3cret"]
+    server_parser = argparse.ArgumentParser()
+    server_parser.add_argument("--port")
+    server_parser.add_argument("--api-key")
+    assert server_parser.parse_args(seen["argv"]).api_key == "-s3cret"
     assert "s3cret" not in " ".join(seen["cmdline"])  # what `ps` shows every local user
     assert seen["env"] is None  # nor do the server's own children inherit it
     unkeyed = subprocess.run(launch, env=env, capture_output=True, text=True, check=True)

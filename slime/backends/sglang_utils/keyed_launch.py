@@ -16,8 +16,9 @@ from slime.utils.engine_args import ENGINE_API_KEY_ENV
 
 
 def with_key(argv: list[str], key: str | None) -> list[str]:
-    """The arguments the server parses: `argv`, then `--api-key key` when there is a key."""
-    return [*argv, "--api-key", key] if key else list(argv)
+    """The arguments the server parses: `argv`, then `--api-key=key` when there is a key (one word: a key may
+    start with "-", which argparse would take for an option after a separate `--api-key`)."""
+    return [*argv, f"--api-key={key}"] if key else list(argv)
 
 
 def main() -> None:
