@@ -7,6 +7,7 @@ pipeline or context parallelism several ranks share a data-parallel rank and get
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import ray
@@ -16,17 +17,68 @@ from slime.ray.placement_group import PlacementSlice
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-def _actor_class(train_backend: str):
-    # Imported lazily: a run only needs its own backend's dependencies (megatron-core is optional).
-    if train_backend == "fsdp":
-        from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
+# --train-backend -> (module, class) of its training actor, imported only in the rank's own process: a run needs only
+# its own backend's dependencies (megatron-core is optional), and the driver none of them.
+BACKEND_ACTORS = {
+    "fsdp": ("slime.backends.fsdp_utils.actor", "FSDPTrainRayActor"),
+    "megatron": ("slime.backends.megatron_utils.actor", "MegatronTrainRayActor"),
+}
 
-        return FSDPTrainRayActor
-    if train_backend == "megatron":
-        from slime.backends.megatron_utils.actor import MegatronTrainRayActor
 
-        return MegatronTrainRayActor
-    raise ValueError(f"unknown --train-backend {train_backend!r}; choose fsdp or megatron")
+def backend_actor_name(train_backend: str) -> str:
+    if train_backend not in BACKEND_ACTORS:
+        raise ValueError(f"unknown --train-backend {train_backend!r}; choose {' or '.join(BACKEND_ACTORS)}")
+    return BACKEND_ACTORS[train_backend][1]
+
+
+def backend_actor_class(train_backend: str) -> type:
+    """The training actor class of `--train-backend`, imported."""
+    name = backend_actor_name(train_backend)
+    return getattr(importlib.import_module(BACKEND_ACTORS[train_backend][0]), name)
+
+
+class TrainRank:
+    """One training rank as a Ray actor: builds the backend's actor inside its own process, so the driver, which only
+    holds handles, never imports torch or the backend (~6 s of a busy core per run). The remote methods forward to it;
+    other attributes (e.g. `device`, for `__ray_call__`) read through."""
+
+    def __init__(self, train_backend: str, world_size: int, rank: int, master_addr, master_port):
+        self.backend = backend_actor_class(train_backend)(world_size, rank, master_addr, master_port)
+
+    def __getattr__(self, name: str):
+        if name == "backend":  # not set yet: __init__ failed
+            raise AttributeError(name)
+        return getattr(self.backend, name)
+
+    def get_master_addr_and_port(self):
+        return self.backend.get_master_addr_and_port()
+
+    def init(self, args, role: str, with_ref: bool = False) -> int:
+        return self.backend.init(args, role, with_ref)
+
+    def train(self, rollout_id: int, data_ref, **kwargs):
+        return self.backend.train(rollout_id, data_ref, **kwargs)
+
+    def compute_values(self, data_ref):
+        return self.backend.compute_values(data_ref)
+
+    def save_model(self, rollout_id: int, update_tracker: bool = True):
+        return self.backend.save_model(rollout_id, update_tracker)
+
+    def connect_rollout_engines(self, engines, engine_urls):
+        return self.backend.connect_rollout_engines(engines, engine_urls)
+
+    def update_weights(self):
+        return self.backend.update_weights()
+
+    def check_weights_equal(self):
+        return self.backend.check_weights_equal()
+
+    def offload(self):
+        return self.backend.offload()
+
+    def onload(self):
+        return self.backend.onload()
 
 
 def model_parallel_sizes(args) -> tuple[int, int, int]:
@@ -109,7 +161,9 @@ class RayTrainGroup:
             env_vars["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         else:
             env_vars |= {name: str(args.train_num_threads) for name in THREAD_ENV_VARS}
-        remote_cls = ray.remote(_actor_class(args.train_backend))
+        # Named after the backend's class, so its processes are `ray::FSDPTrainRayActor`, without importing it here.
+        rank_class = type(backend_actor_name(args.train_backend), (TrainRank,), {"__doc__": TrainRank.__doc__})
+        remote_cls = ray.remote(rank_class)
 
         def make(rank: int, master_addr: str | None, master_port: int | None):
             options: dict[str, Any] = {"num_cpus": share, "runtime_env": {"env_vars": env_vars}}
@@ -117,7 +171,7 @@ class RayTrainGroup:
                 options["num_gpus"] = share
             if actor_slice.pg is not None:
                 options["scheduling_strategy"] = actor_slice.strategy(rank)
-            return remote_cls.options(**options).remote(world_size, rank, master_addr, master_port)
+            return remote_cls.options(**options).remote(args.train_backend, world_size, rank, master_addr, master_port)
 
         rank0 = make(0, None, None)
         master_addr, master_port = ray.get(rank0.get_master_addr_and_port.remote())

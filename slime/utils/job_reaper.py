@@ -119,14 +119,29 @@ def _registered(pids_file: Path) -> list[Record]:
     return records
 
 
+def _process_tree() -> dict[int, list[Record]]:
+    """Every process's children by parent pid, from one pass over /proc (a scan per root would cost a pass each)."""
+    children: dict[int, list[Record]] = {}
+    for process in psutil.process_iter(["ppid", "create_time"]):
+        info = process.info
+        if info["ppid"] is not None and info["create_time"] is not None:
+            children.setdefault(info["ppid"], []).append((process.pid, info["create_time"]))
+    return children
+
+
 def note_job(driver: Record, pids_file: Path, noted: set[Record]) -> None:
     """Add the job's processes alive now to `noted` (see the module docstring for which)."""
-    roots = [driver, *_registered(pids_file)]
-    for record in roots:
-        process = _alive(record)
-        if process is not None:
-            noted.add(record)
-            noted.update(_descendants(process))
+    roots = [record for record in (driver, *_registered(pids_file)) if _alive(record) is not None]
+    if not roots:
+        return
+    children = _process_tree()
+    pending, seen = list(roots), set()
+    while pending:
+        record = pending.pop()
+        if record not in seen:
+            seen.add(record)
+            pending.extend(children.get(record[0], ()))
+    noted.update(seen)
 
 
 def reap(noted: set[Record], grace: float = GRACE_SECONDS) -> list[Record]:

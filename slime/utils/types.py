@@ -5,9 +5,10 @@ from __future__ import annotations
 from argparse import Namespace
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(str, Enum):

@@ -7,6 +7,7 @@ colocated run (same prompts, offload and onload, weight sync after them), then P
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.runs import rollout_rows, run_driver_script, saved_samples, small_run_flags, write_addition_prompts
+from support.runs import REPO, rollout_rows, run_driver_script, saved_samples, small_run_flags, write_addition_prompts
 from support.trackers import (
     SECRET,
     assert_secret_in_no_file,
@@ -211,13 +212,21 @@ def test_skip_eval_before_train_leaves_out_the_first_evaluation(resumed_run):
     assert not [row for row in jsonl_rows(resumed_run.save) if row["rollout_id"] == 3 and eval_keys(row)]
 
 
-# ---- PPO: actor and critic ------------------------------------------------------------------------------------
-def test_ppo_run_trains_actor_and_critic_and_the_values_enter_the_advantages(tiny_model_dir, prompt_file, tmp_path):
-    """PPO without --colocate: an actor rank and a critic rank share each trainer bundle."""
+# ---- PPO: actor and critic, with examples/train_infer_mismatch_helper's mis.yaml ------------------------------
+MIS_EXAMPLE = REPO / "examples" / "train_infer_mismatch_helper"
+
+
+def test_ppo_run_trains_actor_and_critic_and_the_values_enter_the_advantages(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch
+):
+    """PPO without --colocate: an actor rank and a critic rank share each trainer bundle. The run also carries the
+    train/inference-mismatch example (mis.yaml: mismatch metrics, MIS masks and TIS weights on the policy loss)."""
+    monkeypatch.setenv("PYTHONPATH", str(MIS_EXAMPLE))  # where mis.yaml's mis.mis_function is found
     run_script(
         "train.py", tiny_model_dir, prompt_file, tmp_path, "--num-rollout", "2", "--advantage-estimator", "ppo",
         "--custom-rm-path", "support.rewards.alternating_reward",
         "--rollout-data-postprocess-path", "support.rewards.save_trainer_data",
+        "--custom-config-path", str(MIS_EXAMPLE / "mis.yaml"),
     )  # fmt: skip
     history = rollout_rows(tmp_path)
     assert [h["rollout_id"] for h in history] == [0, 1]
@@ -230,6 +239,17 @@ def test_ppo_run_trains_actor_and_critic_and_the_values_enter_the_advantages(tin
         # gamma = lambda = 1 and no reward KL: every token's return is the reward, so A_t = reward - V_t.
         for advantages, value, reward in zip(data["advantages"], values, data["rewards"], strict=True):
             assert torch.allclose(torch.as_tensor(advantages), reward - value, atol=1e-5)
+
+    keys = ["train_rollout_logprob_abs_diff", "train_rollout_logprob_max_abs_diff", "train_rollout_kl"]
+    keys += ["mis_ratio_mean", "mis_masked_fraction", "mis_veto_fraction", "tis_clipfrac"]
+    for row in history:
+        mismatch = {key: row[f"train/{key}"] for key in keys}
+        assert all(math.isfinite(v) for v in mismatch.values()), mismatch
+        # The CPU engine and the trainer compute in fp32 from the same weights: a healthy, near-zero mismatch,
+        # so MIS keeps every token and TIS leaves every weight near 1.
+        assert mismatch["train_rollout_logprob_max_abs_diff"] <= TOLERANCE and 0 <= mismatch["train_rollout_kl"] <= 1e-8
+        assert mismatch["mis_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert mismatch["mis_masked_fraction"] == mismatch["mis_veto_fraction"] == mismatch["tis_clipfrac"] == 0.0
 
 
 # ---- train_async.py -------------------------------------------------------------------------------------------

@@ -63,8 +63,11 @@ def shared_ray_node() -> dict[str, str]:
     actors and engines (a job's processes end with its driver); what it saves is Ray's start and stop per run
     (~5 s). Stopped by process id when the test process exits."""
     env = loopback_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # No dashboard (its processes idle at ~0.1 core, the whole session) and no prestarted workers (started with the
+    # node's environment, they never serve a job, whose workers get the job's runtime env).
+    env |= {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
     log = Path(tempfile.mkdtemp(prefix="slime-test-ray-")) / "ray_start.log"
-    process, ports = start_head(16, env, log)
+    process, ports = start_head(16, env, log, "--include-dashboard", "false")
     atexit.register(stop_tree, process)
     address = f"127.0.0.1:{ports['--port']}"
     deadline = time.monotonic() + 120
