@@ -118,7 +118,8 @@ class _Worker:
         poller.register(fd, select.POLLIN)
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not poller.poll(remaining * 1000):
+            # poll() rounds its timeout up to a whole millisecond: what arrives past the deadline is late all the same.
+            if remaining <= 0 or not poller.poll(remaining * 1000) or time.monotonic() > deadline:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
@@ -127,16 +128,21 @@ class _Worker:
         line, _, self._buffer = self._buffer.partition(b"\n")
         return line
 
+    def _send(self, message: dict[str, Any]) -> None:
+        self.process.stdin.write(json.dumps(message, default=str).encode() + b"\n")
+        self.process.stdin.flush()
+
     def grade(self, task: dict[str, Any], timeout: float) -> Any:
         try:
-            self.process.stdin.write(json.dumps(task, default=str).encode() + b"\n")
-            self.process.stdin.flush()
             if task["rm_type"] in SYMBOLIC_TYPES and not self.warmed:
-                # It builds the symbolic parser first and says so: that is start-up, not this answer's time.
+                # Building the symbolic parser is start-up, not this answer's time: asked for, and waited for, before
+                # the answer is sent and its clock starts.
+                self._send({"warm": True})
                 if self._read_line(STARTUP_TIMEOUT_SECS) != WARMED:
                     self.kill()
                     raise RewardWorkerError(f"reward worker {self.pid} did not build math-verify's parser")
                 self.warmed = True
+            self._send(task)
             line = self._read_line(timeout)
         except (BrokenPipeError, EOFError) as error:
             self.kill()
@@ -291,7 +297,6 @@ def worker_main() -> None:
     from slime.rollout.rm_hub import RULE_BASED_REWARDS, math_utils
 
     math_utils.SYMPY_TIMEOUT_SECONDS = None  # the parent's kill is the timeout here
-    warmed = False
 
     def reply(message: dict[str, Any]) -> None:
         protocol.write(json.dumps(message).encode() + b"\n")
@@ -300,12 +305,12 @@ def worker_main() -> None:
     reply({"ready": True})
     for line in sys.stdin.buffer:
         task = json.loads(line)
-        if task["rm_type"] in SYMBOLIC_TYPES and not warmed:
-            # The first symbolic check builds math-verify's LaTeX parser (about a second); the parent starts this
-            # answer's clock when told it is built. Workers that grade only other types never pay for it.
+        if task.get("warm"):
+            # The first symbolic check builds math-verify's LaTeX parser (about a second): the parent asks for it
+            # before a worker's first symbolic answer. Workers that grade only other types never pay for it.
             math_utils.is_equiv("(x+1)^2", "x^2+2x+1")
-            warmed = True
             reply({"warmed": True})
+            continue
         try:
             reward = RULE_BASED_REWARDS[task["rm_type"]](task["response"], task["label"], task.get("metadata") or {})
             reply({"reward": reward})
