@@ -39,8 +39,8 @@ def backend_actor_class(train_backend: str) -> type:
 
 class TrainRank:
     """One training rank as a Ray actor: builds the backend's actor inside its own process, so the driver, which only
-    holds handles, never imports torch or the backend (~6 s of a busy core per run). The remote methods forward to it;
-    other attributes (e.g. `device`, for `__ray_call__`) read through."""
+    holds handles, never imports the backend (its transformers and torch.distributed modules: ~4 s of a busy core per
+    run). The remote methods forward to it; other attributes (e.g. `device`, for `__ray_call__`) read through."""
 
     def __init__(self, train_backend: str, world_size: int, rank: int, master_addr, master_port):
         self.backend = backend_actor_class(train_backend)(world_size, rank, master_addr, master_port)

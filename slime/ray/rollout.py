@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 
+from slime.algorithms.advantages import group_baseline_rewards
 from slime.backends.sglang_utils.router import RouterHandle
 from slime.ray.engine_pool import EnginePool
 from slime.ray.engine_pool import wait_for_external_engines as wait_for_external_engines  # its old home
@@ -61,8 +63,6 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
     if args.custom_reward_post_process_path:
         raw_rewards, rewards = load_function(args.custom_reward_post_process_path)(args, samples)
     else:
-        from slime.algorithms.advantages import group_baseline_rewards  # torch: not in the driver, which imports this
-
         raw_rewards = [s.get_reward_value(args.reward_key) for s in samples]
         rewards = group_baseline_rewards(args, raw_rewards)  # the estimator's per-prompt baseline (GRPO, RLOO, ...)
 
@@ -425,8 +425,6 @@ class RolloutManager:
 
     # ---- debug data ----------------------------------------------------------------------
     def _save_debug_rollout_data(self, rollout_id: int, samples: list[Sample]) -> None:
-        import torch  # not at the top: the driver imports this module (for the actor class) and needs no torch
-
         path = self.args.save_debug_rollout_data.format(rollout_id=rollout_id)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
@@ -434,8 +432,6 @@ class RolloutManager:
 
     def _save_debug_eval_data(self, rollout_id: int, data: dict[str, dict]) -> None:
         """Each eval set's samples with their rewards, beside the rollout dumps: `eval_<set>_<rollout file name>`."""
-        import torch
-
         path = Path(self.args.save_debug_rollout_data.format(rollout_id=rollout_id))
         path.parent.mkdir(parents=True, exist_ok=True)
         for name, result in data.items():
@@ -447,8 +443,6 @@ class RolloutManager:
     def _load_debug_rollout_data(self, rollout_id: int) -> list[Sample]:
         """The saved samples of `rollout_id`; `--load-debug-rollout-data-subsample F` keeps the first fraction F of
         them, whole prompt groups and whole global batches."""
-        import torch
-
         path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
         if not os.path.exists(path):
             raise FileNotFoundError(f"--load-debug-rollout-data: no file {path} for rollout {rollout_id}")
@@ -468,8 +462,6 @@ class RolloutManager:
 
     def _save_debug_train_data(self, rollout_id: int, shards: list[dict[str, Any]]) -> None:
         """--save-debug-train-data: each data-parallel rank's train data, as its trainer receives it."""
-        import torch
-
         for rank, shard in enumerate(shards):
             path = self.args.save_debug_train_data.format(rollout_id=rollout_id, rank=rank)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -100,15 +100,6 @@ def _alive(record: Record) -> psutil.Process | None:
     return None
 
 
-def _descendants(process: psutil.Process) -> list[Record]:
-    found = []
-    with contextlib.suppress(psutil.Error):
-        for child in process.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                found.append((child.pid, child.create_time()))
-    return found
-
-
 def _registered(pids_file: Path) -> list[Record]:
     records = []
     with contextlib.suppress(OSError):
@@ -119,29 +110,27 @@ def _registered(pids_file: Path) -> list[Record]:
     return records
 
 
-def _process_tree() -> dict[int, list[Record]]:
-    """Every process's children by parent pid, from one pass over /proc (a scan per root would cost a pass each)."""
+def _with_descendants(roots: list[Record]) -> set[Record]:
+    """`roots` and all their descendants now, from one pass over /proc (a scan per root would cost a pass each)."""
     children: dict[int, list[Record]] = {}
     for process in psutil.process_iter(["ppid", "create_time"]):
         info = process.info
         if info["ppid"] is not None and info["create_time"] is not None:
             children.setdefault(info["ppid"], []).append((process.pid, info["create_time"]))
-    return children
+    pending, found = list(roots), set()
+    while pending:
+        record = pending.pop()
+        if record not in found:
+            found.add(record)
+            pending.extend(children.get(record[0], ()))
+    return found
 
 
 def note_job(driver: Record, pids_file: Path, noted: set[Record]) -> None:
     """Add the job's processes alive now to `noted` (see the module docstring for which)."""
     roots = [record for record in (driver, *_registered(pids_file)) if _alive(record) is not None]
-    if not roots:
-        return
-    children = _process_tree()
-    pending, seen = list(roots), set()
-    while pending:
-        record = pending.pop()
-        if record not in seen:
-            seen.add(record)
-            pending.extend(children.get(record[0], ()))
-    noted.update(seen)
+    if roots:
+        noted.update(_with_descendants(roots))
 
 
 def reap(noted: set[Record], grace: float = GRACE_SECONDS) -> list[Record]:
@@ -153,9 +142,9 @@ def reap(noted: set[Record], grace: float = GRACE_SECONDS) -> list[Record]:
         if not alive:
             break
         if sig is not None:
+            # Children they started meanwhile go too (from the next round on, once noted).
+            noted.update(_with_descendants([(p.pid, p.create_time()) for p in alive]))
             for process in alive:
-                # Children it started meanwhile go too.
-                noted.update(_descendants(process))
                 with contextlib.suppress(psutil.Error):
                     process.send_signal(sig)
             signalled.extend((p.pid, p.create_time()) for p in alive if sig == signal.SIGTERM)
