@@ -25,6 +25,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MARKER = ".slime-folder"
+DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index file in a checkpoint folder
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.slime-(?:tmp|old)-(?P<pid>\d+)$")
 
 
@@ -34,14 +35,19 @@ def is_slime_folder(path: str | Path) -> bool:
     return path.is_dir() and not path.is_symlink() and (path / MARKER).is_file()
 
 
-def metadata_digests(folder: str | Path) -> dict[str, str]:
-    """SHA-256 of every torch.distributed.checkpoint index (`.metadata`) under `folder`, by relative path."""
+def metadata_files(folder: str | Path) -> dict[str, bytes]:
+    """The bytes of every torch.distributed.checkpoint index (`.metadata`) under `folder`, by relative path."""
     folder = Path(folder)
     return {
-        path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(folder.rglob(".metadata"))
+        path.relative_to(folder).as_posix(): path.read_bytes()
+        for path in sorted(folder.rglob(DCP_INDEX))
         if path.is_file()
     }
+
+
+def metadata_digests(folder: str | Path) -> dict[str, str]:
+    """SHA-256 of every `metadata_files(folder)` entry, by relative path."""
+    return {name: hashlib.sha256(data).hexdigest() for name, data in metadata_files(folder).items()}
 
 
 def write_marker(folder: str | Path, kind: str) -> None:

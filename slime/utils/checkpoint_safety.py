@@ -15,14 +15,13 @@ saying how to get one it did.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
 from pathlib import Path
 
-from slime.utils.atomic_dir import MARKER, metadata_digests
-
-METADATA_FILE = ".metadata"
+from slime.utils.atomic_dir import DCP_INDEX, MARKER, metadata_files
 
 # (module, name) pairs a DCP `.metadata` pickle may name: the metadata records themselves and the small values
 # inside them (shapes, dtypes, layouts, memory formats, paths). torch dtypes are allowed by type, below.
@@ -90,7 +89,7 @@ def check_checkpoint(folder: str | Path, flag: str = "--load", require_marker: b
     """
     folder = Path(folder)
     how_to = (
-        f"slime loads only checkpoints it wrote itself, because torch unpickles a checkpoint's {METADATA_FILE} and a "
+        f"slime loads only checkpoints it wrote itself, because torch unpickles a checkpoint's {DCP_INDEX} and a "
         f"crafted one runs code. Point {flag} at a HuggingFace folder instead (slime loads its safetensors); a Megatron "
         "torch_dist checkpoint from elsewhere converts to one with `python tools/convert_torch_dist_to_hf.py`, which "
         "reads only indexes made of DCP's own classes"
@@ -104,17 +103,18 @@ def check_checkpoint(folder: str | Path, flag: str = "--load", require_marker: b
             raise UntrustedCheckpointError(f"{flag} {folder}: its {MARKER} is not slime's JSON. {how_to}") from None
     elif require_marker:
         raise UntrustedCheckpointError(f"{flag} {folder} has no {MARKER} marker, so slime did not write it. {how_to}")
-    found = metadata_digests(folder)
+    found = metadata_files(folder)  # read once: what is hashed is what is unpickled
     if recorded is not None:  # markers of slime before digests were recorded have none: check 3 still applies
-        changed = sorted(name for name in found.keys() | recorded.keys() if found.get(name) != recorded.get(name))
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in found.items()}
+        changed = sorted(name for name in digests.keys() | recorded.keys() if digests.get(name) != recorded.get(name))
         if changed:
             raise UntrustedCheckpointError(
                 f"{flag} {folder}: {', '.join(changed)} differ from what slime wrote there (SHA-256 in {MARKER}), "
                 f"so the checkpoint was changed after it was saved. {how_to}"
             )
-    for name in found:
+    for name, data in found.items():
         try:
-            read_dcp_metadata((folder / name).read_bytes())
+            read_dcp_metadata(data)
         except pickle.UnpicklingError as error:
             raise UntrustedCheckpointError(f"{flag} {folder}: {name} refused: {error}. {how_to}") from None
         except Exception as error:  # noqa: BLE001 - a truncated or garbled file; torch would fail on it too

@@ -5,10 +5,11 @@ Senders are the trainers (FSDP, Megatron; their transports, which call the engin
 SGLang's conventions so a trainer never needs to know which one it talks to). Nothing here calls an engine.
 
 - Same host, CPU tensors (`/update_weights_from_tensor` with `load_format=SHARED_MEMORY_FORMAT`, the CPU
-  engine): a trainer process keeps named shared-memory segments under /dev/shm for its whole life, two per
-  chunk of a push. `stage_named_tensors` copies a chunk into one of them that the receiver does not hold (one
-  memcpy per tensor; after the first pushes the pages are already mapped, so no page faults) and returns JSON
-  naming the segment and each tensor's dtype, shape and byte offset. The receiver maps each segment once
+  engine): a trainer process keeps sealed memory files (memfd: anonymous, never a name in /dev/shm) for its
+  whole life, two per chunk of a push. `stage_named_tensors` copies a chunk into one of them that the receiver
+  does not hold (one memcpy per tensor; after the first pushes the pages are already mapped, so no page
+  faults) and returns JSON naming the segment, the sender's pid and fd, and each tensor's dtype, shape and
+  byte offset. The receiver opens each segment once through /proc/<pid>/fd/<fd> and maps it
   (`MappedSegments`), checks every name, dtype, shape and offset against it (`parse_shared_payload`,
   `MappedSegments.named_tensors`) and points its parameters of the same dtype at the views instead of copying;
   its answer lists the segments its weights live in (`MappedSegments.holding`). A push starts with an update
@@ -16,13 +17,15 @@ SGLang's conventions so a trainer never needs to know which one it talks to). No
   segments of a chunk alternate while the engine keeps its weights in one of them (with --offload-rollout the
   engine reloads its weights into memory of its own before each push, and one set is reused). No pickle is
   involved. A segment's name carries the job's tag (`segment_tag`, from the engines' API key), and a
-  receiver with a key maps only segments with its own tag, regular files of its own user, at their size.
-  The segments are unlinked when the trainer exits (atexit, or Python's resource tracker after a SIGKILL); an engine keeps the memory of the ones its weights live in until the next push
-  replaces them, and drops its other mappings of unlinked segments at its next push.
+  receiver with a key maps only segments with its own tag; it maps only memory files of its own user that
+  are sealed against shrinking and growing, so no one can cut a segment short under its weights (a SIGBUS).
+  A segment's memory goes when the trainer closes it (or exits, or is killed) and no engine maps it any more:
+  an engine keeps the ones its weights live in until the next push replaces them, and drops its other
+  mappings of closed segments at its next push.
 - Same host, CUDA tensors (SGLang): `serialize_named_tensors` pickles (name, tensor) pairs with torch's
   reductions and base64-encodes them, the form SGLang's `MultiprocessingSerializer` produces for
   `serialized_named_tensors`: CUDA tensors travel as CUDA IPC handles. CPU tensors (small pushes, tests,
-  hosts without /dev/shm) travel by value inside the pickle, never as the name of a file: torch's own
+  hosts without memfd) travel by value inside the pickle, never as the name of a file: torch's own
   file-system reduction would let a payload name any /dev/shm file, and a socket, for the receiver to open,
   grow and map. The payload is a pickle, so it is read by a restricted unpickler that resolves only the few
   globals `serialize_named_tensors` writes (`ALLOWED_PICKLE_GLOBALS`) and refuses any other before building
@@ -36,11 +39,11 @@ SGLang's conventions so a trainer never needs to know which one it talks to). No
 
 from __future__ import annotations
 
-import atexit
 import base64
 import binascii
 import contextlib
 import datetime
+import fcntl
 import hashlib
 import io
 import json
@@ -50,13 +53,10 @@ import os
 import pickle
 import re
 import secrets
-import shutil
 import stat
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -212,7 +212,6 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
 # ---------------------------------------------------------------------------------------------
 
 SHARED_MEMORY_FORMAT = "slime_shared_memory"  # load_format of /update_weights_from_tensor for these payloads
-SHM_DIR = Path("/dev/shm")
 # Bytes per chunk, i.e. per request; a larger tensor goes alone and its segments grow to fit it.
 SEGMENT_BYTES = 64 * 2**20
 # Per chunk: one segment the receiver's weights may live in, one to fill with the next push.
@@ -220,11 +219,13 @@ _SEGMENTS_PER_CHUNK = 2
 _ALIGN = 64  # every tensor starts at a multiple of this: aligned for any dtype, and for fast copies
 # slime_w_<job tag>_<random>, or slime_w_<random> from a sender without a tag.
 _SEGMENT_NAME = re.compile(r"slime_w_(?:[0-9a-f]{16}_)?[0-9a-f]{16}")
+# A segment may neither shrink (a receiver reading past a shrunk end gets SIGBUS) nor grow, nor take other seals.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def segment_tag(api_key: str | None) -> str | None:
     """The job's tag in its segment names: derived from the engines' API key, which sender and receiver both
-    hold and no other job does (a hash: the names are public in /dev/shm); None without a key."""
+    hold and no other job does (a hash: the names are public in /proc/<pid>/fd); None without a key."""
     if not api_key:
         return None
     return hashlib.sha256(b"slime weight segments\0" + api_key.encode()).hexdigest()[:16]
@@ -235,15 +236,19 @@ def _segment_prefix(tag: str | None) -> str:
 
 
 def shared_memory_available() -> bool:
-    """Whether this host has /dev/shm (Linux), where `stage_named_tensors` keeps its segments."""
-    return SHM_DIR.is_dir()
+    """Whether this host can share sealed memory files between processes (Linux: memfd_create and /proc)."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+def _fd_path(pid: int, fd: int) -> str:
+    return f"/proc/{pid}/fd/{fd}"
 
 
 @dataclass
 class _SendSegment:
     name: str
+    fd: int  # open for the segment's life: a receiver opens the memory through /proc/<pid>/fd/<fd>
     data: torch.Tensor  # flat uint8 over a read-write mapping of the whole segment
-    pid: int  # its creator: a forked child must not unlink its parent's segments
 
 
 _SEND_SEGMENTS: dict[int, list[_SendSegment]] = {}  # this process's segments, by chunk index
@@ -255,45 +260,36 @@ def _round_up(value: int, multiple: int) -> int:
 
 def _create_segment(nbytes: int, tag: str | None) -> _SendSegment:
     name = _segment_prefix(tag) + secrets.token_hex(8)
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    # An anonymous memory file, never a name in /dev/shm: nothing outlives this process but the mappings of it,
+    # /dev/shm's size does not bound it, and its seals make it impossible to shrink under a receiver.
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        try:  # reserve the pages now: a full /dev/shm is an error here instead of a SIGBUS in the copy
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as error:
-            os.unlink(path)
-            free = shutil.disk_usage(SHM_DIR).free
-            raise RuntimeError(
-                f"cannot reserve {nbytes / 2**20:.0f} MiB in {SHM_DIR} for a colocated weight update "
-                f"({free / 2**20:.0f} MiB free): {error.strerror}; give {SHM_DIR} more room (docker: --shm-size) "
-                "or run the engines apart from the trainer (no --colocate)"
-            ) from None
+        # Reserve the pages now: running out is an error here instead of a SIGBUS in the copy.
+        os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         memory = mmap.mmap(fd, nbytes)
-    finally:
+    except OSError as error:
         os.close(fd)
-    # Should this process die without running atexit (SIGKILL), Python's resource tracker unlinks it.
-    resource_tracker.register(f"/{name}", "shared_memory")
-    return _SendSegment(name, torch.frombuffer(memory, dtype=torch.uint8), os.getpid())
+        raise RuntimeError(
+            f"cannot reserve {nbytes / 2**20:.0f} MiB of shared memory for a colocated weight update: "
+            f"{error.strerror}; give the trainer's host (or its container's memory limit) more room, or run the "
+            "engines apart from the trainer (no --colocate)"
+        ) from None
+    return _SendSegment(name, fd, torch.frombuffer(memory, dtype=torch.uint8))
 
 
-def _unlink(segment: _SendSegment) -> None:
-    """Remove the segment's name; its memory goes once no process maps it (ours: with `segment.data`)."""
-    if segment.pid != os.getpid():
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(SHM_DIR / segment.name)
-    resource_tracker.unregister(f"/{segment.name}", "shared_memory")
+def _close(segment: _SendSegment) -> None:
+    """Let go of the segment; its memory goes once no process maps it (ours goes with `segment.data`)."""
+    with contextlib.suppress(OSError):
+        os.close(segment.fd)
 
 
 def release_send_segments() -> None:
-    """Unlink this process's send segments (also run at exit); a later `stage_named_tensors` makes new ones.
-    A receiver keeps the memory it still maps."""
+    """Close this process's send segments; a later `stage_named_tensors` makes new ones. A receiver keeps the
+    memory it still maps. (Exiting, or being killed, closes them too: they are memory files, not names.)"""
     while _SEND_SEGMENTS:
         for segment in _SEND_SEGMENTS.popitem()[1]:
-            _unlink(segment)
-
-
-atexit.register(release_send_segments)
+            _close(segment)
 
 
 @torch.no_grad()
@@ -304,7 +300,7 @@ def stage_named_tensors(
 
     The segment is one not in `held`; it is created on first use, replaced by a larger one when the tensors
     do not fit, and kept for later pushes, so they write into pages that are already mapped. A held segment
-    is never written (only unlinked when both are held, which leaves the receiver's memory alone).
+    is never written (only closed when both are held, which leaves the receiver's memory alone).
 
     Args:
         named_tensors: (HF parameter name, tensor) pairs; any device, dtype and strides.
@@ -315,10 +311,11 @@ def stage_named_tensors(
 
     Returns:
         One element of `serialized_named_tensors` for `/update_weights_from_tensor` with
-        `load_format=SHARED_MEMORY_FORMAT`: JSON {"segment", "tensors": [{"name", "dtype", "shape", "offset"}]}.
+        `load_format=SHARED_MEMORY_FORMAT`: JSON {"segment", "pid", "fd", "tensors": [{"name", "dtype", "shape",
+        "offset"}]}, where /proc/<pid>/fd/<fd> opens the segment.
 
     Raises:
-        RuntimeError: /dev/shm has no room for the segment.
+        RuntimeError: the host has no memory left for the segment.
     """
     entries, end = [], 0
     for name, tensor in named_tensors:
@@ -333,14 +330,14 @@ def stage_named_tensors(
         if len(segments) == _SEGMENTS_PER_CHUNK:  # replace one that is too small, or else the oldest
             old = free[0] if free else segments[0]
             segments.remove(old)
-            _unlink(old)
+            _close(old)
         segment = _create_segment(_round_up(max(end, 1), 2**20), tag)
         segments.append(segment)
     for (_, tensor), entry in zip(named_tensors, entries):
         start = entry["offset"]
         target = segment.data[start : start + tensor.numel() * tensor.element_size()]
         target.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-    return json.dumps({"segment": segment.name, "tensors": entries})
+    return json.dumps({"segment": segment.name, "pid": os.getpid(), "fd": segment.fd, "tensors": entries})
 
 
 @dataclass(frozen=True)
@@ -359,9 +356,11 @@ class SharedTensor:
 
 @dataclass(frozen=True)
 class SharedPayload:
-    """A parsed `stage_named_tensors` payload: the segment's name and the tensors in it."""
+    """A parsed `stage_named_tensors` payload: the segment's name, where its sender holds it, and its tensors."""
 
     segment: str
+    pid: int
+    fd: int
     tensors: list[SharedTensor]
 
 
@@ -393,22 +392,24 @@ def _parse_entry(index: int, entry: object) -> SharedTensor:
 
 
 def parse_shared_payload(payload: str, tag: str | None = None) -> SharedPayload:
-    """Read and check one `stage_named_tensors` payload; maps nothing yet (see `MappedSegments.named_tensors`).
+    """Read and check one `stage_named_tensors` payload; opens and maps nothing yet (`MappedSegments`).
 
     Args:
         tag: The receiver's `segment_tag`: the segment must carry it. None accepts any slime segment name.
 
     Raises:
         ValueError: naming the first malformed part: not JSON, a segment name slime does not make (or without
-            the job's tag), or a tensor entry without a name, a known dtype, a shape of non-negative integers
-            or an aligned offset.
+            the job's tag), a pid or fd that is not a non-negative integer, or a tensor entry without a name, a
+            known dtype, a shape of non-negative integers or an aligned offset.
     """
     try:
         body = json.loads(payload)
     except (ValueError, RecursionError) as error:
         raise ValueError(f"the payload is not JSON: {_show(error)}") from None
     if not isinstance(body, dict) or not isinstance(body.get("tensors"), list):
-        raise ValueError('the payload must be a JSON object {"segment": ..., "tensors": [...]} (stage_named_tensors)')
+        raise ValueError(
+            'the payload must be a JSON object {"segment", "pid", "fd", "tensors": [...]} (stage_named_tensors)'
+        )
     segment = body.get("segment")
     if not isinstance(segment, str) or not _SEGMENT_NAME.fullmatch(segment):
         raise ValueError(f"segment must be a slime segment name ('slime_w_' + 16 hex digits), got {_show(segment)}")
@@ -417,13 +418,31 @@ def parse_shared_payload(payload: str, tag: str | None = None) -> SharedPayload:
             f"segment {segment} is not one of this job's: its trainer names them slime_w_{tag}_...; only the "
             "trainer started with this engine's API key may push weights through shared memory"
         )
-    return SharedPayload(segment, [_parse_entry(index, entry) for index, entry in enumerate(body["tensors"])])
+    pid, fd = body.get("pid"), body.get("fd")
+    if not (_is_int(pid) and 0 < pid < 2**31 and _is_int(fd) and 0 <= fd < 2**31):
+        raise ValueError(f"pid and fd must be the sender's process id and file descriptor, got {_show((pid, fd))}")
+    tensors = [_parse_entry(index, entry) for index, entry in enumerate(body["tensors"])]
+    return SharedPayload(segment, pid, fd, tensors)
 
 
 @dataclass
 class _Mapping:
-    fd: int  # kept open to notice when the sender unlinks the segment
+    pid: int  # where the sender holds the segment open: it is gone once that no longer opens this inode
+    fd: int
+    inode: tuple[int, int]  # (st_dev, st_ino)
     data: torch.Tensor  # flat uint8 over a shared read-write mapping of the whole segment
+
+
+def _inode(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+def _opens_segment(pid: int, fd: int, name: str) -> bool:
+    """Whether the sender's fd is the memory file `name` (what /proc shows for a memfd of that name)."""
+    try:
+        return os.readlink(_fd_path(pid, fd)) == f"/memfd:{name} (deleted)"
+    except OSError:
+        return False
 
 
 @dataclass
@@ -431,8 +450,8 @@ class MappedSegments:
     """A receiver's mappings of senders' segments by name, kept from one push to the next.
 
     Use it from one thread. A mapping lives as long as `mappings` or any view it handed out refers to it (a
-    parameter pointed at a view keeps it); mappings of segments their sender has unlinked leave `mappings` at
-    the next `named_tensors`, all at `close`.
+    parameter pointed at a view keeps it); mappings of segments their sender has closed (or that died) leave
+    `mappings` at the next `named_tensors`, all at `close`.
     """
 
     mappings: dict[str, _Mapping] = field(default_factory=dict)
@@ -441,17 +460,13 @@ class MappedSegments:
         """Views of the payload's tensors in its segment (mapped on first use), each checked to lie inside it.
 
         Raises:
-            ValueError: the segment does not exist on this host (the sender is elsewhere), is not a file of
-                this user, or a tensor reaches past its end.
+            ValueError: the sender does not hold the segment open on this host (it is elsewhere, or the payload
+                names another file), the file is not a sealed memory file of this user, or a tensor reaches
+                past its end.
         """
-        for name in [name for name, mapping in self.mappings.items() if os.fstat(mapping.fd).st_nlink == 0]:
-            os.close(self.mappings.pop(name).fd)
-        mapping = self._map(payload.segment)
-        data = mapping.data
-        if os.fstat(mapping.fd).st_size < data.numel():
-            # Reading pages past a shrunk file's end is a SIGBUS: forget it (its sender must send a new one).
-            os.close(self.mappings.pop(payload.segment).fd)
-            raise ValueError(f"shared-memory segment {payload.segment} was truncated after it was mapped")
+        for name in [name for name, mapping in self.mappings.items() if not self._still_sent(mapping)]:
+            del self.mappings[name]
+        data = self._map(payload).data
         named = []
         for index, tensor in enumerate(payload.tensors):
             end = tensor.offset + tensor.nbytes
@@ -479,36 +494,54 @@ class MappedSegments:
                 held.append(name)
         return held
 
-    def _map(self, name: str) -> _Mapping:
+    @staticmethod
+    def _still_sent(mapping: _Mapping) -> bool:
+        try:
+            return _inode(os.stat(_fd_path(mapping.pid, mapping.fd))) == mapping.inode
+        except OSError:
+            return False
+
+    def _map(self, payload: SharedPayload) -> _Mapping:
+        name = payload.segment
         mapping = self.mappings.get(name)
         if mapping is not None:
             return mapping
-        try:
-            # /dev/shm is writable by every user: follow no link, and never block opening a FIFO.
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
+        # The payload names a file descriptor of some process: open it only if /proc shows our memory file there,
+        # and check again on what was opened (the sender could swap it in between).
+        if not _opens_segment(payload.pid, payload.fd, name):
             raise ValueError(
-                f"there is no shared-memory segment {name} on this host: load_format {SHARED_MEMORY_FORMAT!r} "
-                "needs the trainer on the engine's host (--colocate); use the broadcast or disk transport otherwise"
-            ) from None
+                f"there is no shared-memory segment {name} at fd {payload.fd} of process {payload.pid} on this "
+                f"host: load_format {SHARED_MEMORY_FORMAT!r} needs the trainer on the engine's host (--colocate); "
+                "use the broadcast or disk transport otherwise"
+            )
+        try:
+            fd = os.open(_fd_path(payload.pid, payload.fd), os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as error:
             raise ValueError(f"cannot open shared-memory segment {name}: {error.strerror}") from None
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            os.close(fd)
-            raise ValueError(f"shared-memory segment {name} is not a file of this user; it was not made by a trainer")
         try:
-            data = torch.frombuffer(mmap.mmap(fd, 0), dtype=torch.uint8)
-        except (OSError, ValueError) as error:  # an empty file cannot be mapped
-            os.close(fd)
-            raise ValueError(f"cannot map shared-memory segment {name}: {error}") from None
-        mapping = self.mappings[name] = _Mapping(fd, data)
+            info = os.fstat(fd)
+            if not _opens_segment(os.getpid(), fd, name) or not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"shared-memory segment {name} is not a memory file; it was not made by a trainer")
+            if info.st_uid != os.geteuid():
+                raise ValueError(f"shared-memory segment {name} belongs to another user; it was not made by a trainer")
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if seals & _SEALS != _SEALS:
+                # Unsealed, it could shrink after we map it, and reading past a shrunk end is a SIGBUS.
+                raise ValueError(
+                    f"shared-memory segment {name} is not sealed against shrinking; it was not made by a trainer"
+                )
+            try:
+                data = torch.frombuffer(mmap.mmap(fd, 0), dtype=torch.uint8)
+            except (OSError, ValueError) as error:  # an empty file cannot be mapped
+                raise ValueError(f"cannot map shared-memory segment {name}: {error}") from None
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+        mapping = self.mappings[name] = _Mapping(payload.pid, payload.fd, _inode(info), data)
         return mapping
 
     def close(self) -> None:
         """Forget every mapping (each is unmapped once the views handed out are gone too)."""
-        while self.mappings:
-            os.close(self.mappings.popitem()[1].fd)
+        self.mappings.clear()
 
 
 def init_process_group_like_sglang(

@@ -325,7 +325,9 @@ def test_aborted_group_goes_back_with_its_partial_response_and_continues_under_n
     source = RolloutDataSourceWithBuffer(args)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(sglang_rollout.generate_rollout, args, 0, source)
-        wait_for(lambda: client.get_server_info()["internal_states"][0]["num_running_reqs"] > 0)
+        # Abort once a token is out, not merely once a request is admitted: a request aborted before its first
+        # token goes back with an empty response and proves nothing about continuing a partial one.
+        wait_for(lambda: client.get_server_info()["internal_states"][0]["num_generated_tokens_in_flight"] > 0)
         push(client, new_weights_dir, 2, loop_args)
         first = first.result(timeout=120)
     # The aborted groups went back, others took their places: every group drawn is in one place, none in two.

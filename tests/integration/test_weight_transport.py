@@ -3,8 +3,8 @@
 - Shared-memory payloads: serialized in this process, mapped in a spawned one.
 - Reusable shared-memory segments (CPU tensors): a real CPU engine process keeps its weights in the segments of
   one push while the next fills the other set, computes what the pushed weights compute, refuses malformed
-  layouts with a 400, and lets go of segments the trainer unlinked; a trainer that exits or is SIGKILLed
-  leaves no segment.
+  layouts with a 400, maps only sealed memory files (none can be cut short under it), and lets go of segments
+  the trainer closed; a trainer that exits or is SIGKILLed leaves no file behind.
 - The SGLang-style broadcast group: a trainer-like process (with a default process group)
   and an engine-like process (without one) join it, broadcast, leave and rejoin under the same
   name; and a rank built by hand the way SGLang's `init_custom_process_group` builds it (torch's
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import io
 import json
@@ -22,8 +23,8 @@ import pickle
 import re
 import subprocess
 import sys
-import time
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import pytest
 import requests
@@ -39,7 +40,6 @@ from slime.utils.http_utils import find_free_port
 from slime.utils.weight_sync import bucket_named_tensors, probe_tokens
 from slime.utils.weight_transport import (
     SHARED_MEMORY_FORMAT,
-    SHM_DIR,
     MappedSegments,
     deserialize_named_tensors,
     init_process_group_like_sglang,
@@ -204,7 +204,7 @@ class _NamesAFile:
     "ValueError naming torch's rebuild global before anything is opened; slime's CPU tensors travel by value",
 )
 def test_pickles_cannot_name_a_file_or_socket_for_the_receiver_to_open():
-    victim = SHM_DIR / f"victim_{os.getpid()}"
+    victim = Path("/dev/shm") / f"victim_{os.getpid()}"
     victim.write_bytes(b"x" * 16)
     try:
         for payload in (
@@ -227,14 +227,26 @@ def _segments_of(payloads: list[str]) -> set[str]:
     return {json.loads(payload)["segment"] for payload in payloads}
 
 
-def _mapped_by(pid: int) -> dict[str, bool]:
-    """slime segment name -> whether it was unlinked, for every one process `pid` maps."""
-    mapped = {}
-    for line in open(f"/proc/{pid}/maps"):
-        match = re.search(r"/dev/shm/(slime_w_(?:[0-9a-f]{16}_)?[0-9a-f]{16})( \(deleted\))?$", line.rstrip("\n"))
-        if match:
-            mapped[match.group(1)] = bool(match.group(2))
-    return mapped
+_MEMFD = re.compile(r"/memfd:(slime_w_(?:[0-9a-f]{16}_)?[0-9a-f]{16}) \(deleted\)")
+
+
+def _mapped_by(pid: int) -> set[str]:
+    """Names of the slime segments process `pid` maps, read from the kernel's /proc/<pid>/maps."""
+    return {match[1] for line in open(f"/proc/{pid}/maps") if (match := _MEMFD.search(line))}
+
+
+def _open_in(pid: int) -> set[str]:
+    """Names of the slime segments process `pid` holds open (a sender's live segments)."""
+    names = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if match := _MEMFD.fullmatch(os.readlink(f"/proc/{pid}/fd/{fd}")):
+                names.add(match[1])
+    return names
+
+
+def _slime_files_in_dev_shm() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith("slime_w_")]
 
 
 def test_staged_tensors_read_back_in_any_dtype_and_layout():
@@ -257,14 +269,16 @@ def test_staged_tensors_read_back_in_any_dtype_and_layout():
     finally:
         segments.close()
         release_send_segments()
-    assert not (SHM_DIR / payload.segment).exists()
+    assert payload.segment not in _open_in(os.getpid()) and not _slime_files_in_dev_shm()
 
 
 @pytest.mark.reliability(
-    "shared-memory weight payload naming another job's segment, or a segment truncated after it was mapped",
-    "ValueError: a receiver with a key maps only segments with its job's tag; a shrunk one is dropped, no SIGBUS",
+    "shared-memory weight payload naming another job's segment, an unsealed memory file, or any other file "
+    "descriptor; a segment truncated after the engine mapped it",
+    "ValueError: a receiver with a key maps only its job's segments, and only memory files sealed against "
+    "shrinking: truncating a mapped segment fails (EPERM) for everyone, so it cannot SIGBUS the engine",
 )
-def test_a_receiver_maps_only_its_jobs_segments_at_their_size():
+def test_a_receiver_maps_only_its_jobs_sealed_segments(tmp_path):
     tag, other = segment_tag("job-key"), segment_tag("other-job-key")
     assert tag != other and len(tag) == 16 and segment_tag(None) is None
     segments = MappedSegments()
@@ -282,10 +296,36 @@ def test_a_receiver_maps_only_its_jobs_segments_at_their_size():
             with pytest.raises(ValueError, match="is not one of this job's"):
                 parse_shared_payload(theirs, tag)
         assert parse_shared_payload(theirs).segment  # a receiver without a key takes any slime segment
-        os.truncate(SHM_DIR / json.loads(ours)["segment"], 0)
-        with pytest.raises(ValueError, match="was truncated after it was mapped"):
-            segments.named_tensors(parse_shared_payload(ours, tag))
-        assert json.loads(ours)["segment"] not in segments.mappings
+
+        # Mapped, the segment cannot be cut short under the receiver: not by its sender, not through /proc.
+        sent = json.loads(ours)
+        for path in (f"/proc/self/fd/{sent['fd']}", f"/proc/{sent['pid']}/fd/{sent['fd']}"):
+            with pytest.raises(PermissionError):
+                os.truncate(path, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(sent["fd"], 1)
+        ((_, view),) = segments.named_tensors(parse_shared_payload(ours, tag))
+        assert view.tolist() == [1.0] * 4
+
+        # A memory file with a slime name but no seals (it could shrink after mapping), and a FIFO the payload
+        # names by fd (opening one for reading would block): neither is opened as a segment.
+        unsealed = os.memfd_create(f"slime_w_{tag}_{'0' * 16}", os.MFD_CLOEXEC)
+        os.ftruncate(unsealed, 4096)
+        os.mkfifo(tmp_path / "fifo")
+        fifo = os.open(tmp_path / "fifo", os.O_RDWR | os.O_NONBLOCK)
+        try:
+            forged = {**sent, "segment": f"slime_w_{tag}_{'0' * 16}", "fd": unsealed}
+            with pytest.raises(ValueError, match="is not sealed against shrinking"):
+                segments.named_tensors(parse_shared_payload(json.dumps(forged), tag))
+            for fd in (fifo, 0, 2**30):
+                with pytest.raises(ValueError, match="there is no shared-memory segment"):
+                    segments.named_tensors(parse_shared_payload(json.dumps({**forged, "fd": fd}), tag))
+            with pytest.raises(ValueError, match="there is no shared-memory segment"):  # ours, in another process
+                segments.named_tensors(parse_shared_payload(json.dumps({**forged, "pid": 1}), tag))
+            assert set(segments.mappings) == {sent["segment"]}
+        finally:
+            os.close(unsealed)
+            os.close(fifo)
     finally:
         segments.close()
         release_send_segments()
@@ -313,13 +353,13 @@ def test_a_segment_the_receiver_holds_is_never_written():
         assert third == first and weight.tolist() == [3.0] * 4
         # A chunk that fits neither: the free one (`second`) is replaced by a larger one; `first`, held, is kept.
         fourth = push(4.0, numel=2**19)
-        assert fourth not in (first, second) and not (SHM_DIR / second).exists() and (SHM_DIR / first).exists()
-        assert second not in segments.mappings  # the receiver let go of the segment its sender unlinked
+        assert fourth not in (first, second) and _open_in(os.getpid()) == {first, fourth}
+        assert second not in segments.mappings  # the receiver let go of the segment its sender closed
         assert segments.holding([weight]) == []  # that push was copied, not pointed at
     finally:
         segments.close()
         release_send_segments()
-    assert not any((SHM_DIR / name).exists() for name in (first, fourth))
+    assert not _open_in(os.getpid())
 
 
 class RecordingClient(EngineClient):
@@ -394,7 +434,7 @@ def test_pushes_reuse_the_segments_and_deliver_the_new_values(tiny_model_dir, sh
         third = push("3")
         assert third == first  # the same segments again, rewritten in place...
         assert (_engine_log_probs(url, probe) - before).abs().max().item() > 1e-3  # ...with the new values
-        assert _mapped_by(process.pid) == dict.fromkeys(first | second, False)  # mapped once, kept across pushes
+        assert _mapped_by(process.pid) == first | second  # mapped once, kept across pushes
 
         # Released and resumed (--offload-rollout), the engine holds no segment: the push reuses the same ones.
         for endpoint in ("release_memory_occupation", "resume_memory_occupation"):
@@ -404,21 +444,21 @@ def test_pushes_reuse_the_segments_and_deliver_the_new_values(tiny_model_dir, sh
         assert push("4") == first
 
         release_send_segments()  # as a trainer that exits; a new one pushes through new segments
-        assert not any((SHM_DIR / name).exists() for name in first | second)
+        assert not _open_in(os.getpid())
         fifth = push("5")
         assert not fifth & (first | second)
-        assert _mapped_by(process.pid) == dict.fromkeys(fifth, False)  # the unlinked ones were let go
+        assert _mapped_by(process.pid) == fifth  # the closed ones were let go
     finally:
         release_send_segments()
 
 
 @pytest.mark.slow
 @pytest.mark.reliability(
-    "malformed /update_weights_from_tensor shared-memory layout (bad JSON, foreign, missing or FIFO segment, "
-    "offset past the end or misaligned, unknown dtype, negative shape, unknown parameter)",
+    "malformed /update_weights_from_tensor shared-memory layout (bad JSON, foreign or missing segment, a FIFO "
+    "or other file named by fd, offset past the end or misaligned, unknown dtype, negative shape, unknown parameter)",
     "HTTP 400 naming the problem; nothing is read out of bounds and the weights stay as they were",
 )
-def test_malformed_shared_memory_payloads_are_refused(tiny_model_dir, shm_engine):
+def test_malformed_shared_memory_payloads_are_refused(tiny_model_dir, shm_engine, tmp_path):
     _, url = shm_engine
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     name, tensor = next(iter(model.state_dict().items()))
@@ -426,10 +466,9 @@ def test_malformed_shared_memory_payloads_are_refused(tiny_model_dir, shm_engine
     before = _engine_log_probs(url, probe)
     version = requests.get(f"{url}/get_model_info", timeout=30).json()["weight_version"]
     good = json.loads(stage_named_tensors([(name, torch.zeros_like(tensor))], index=0))
-    segment_bytes = os.path.getsize(SHM_DIR / good["segment"])
-
-    fifo = SHM_DIR / ("slime_w_" + os.urandom(8).hex())  # opening a FIFO for reading would block
-    os.mkfifo(fifo)
+    segment_bytes = os.fstat(good["fd"]).st_size
+    os.mkfifo(tmp_path / "fifo")
+    fifo = os.open(tmp_path / "fifo", os.O_RDWR | os.O_NONBLOCK)  # opening a FIFO for reading would block
 
     def entry(**changed):
         return {**good, "tensors": [{**good["tensors"][0], **changed}]}
@@ -439,7 +478,9 @@ def test_malformed_shared_memory_payloads_are_refused(tiny_model_dir, shm_engine
         ({**good, "segment": "../../etc/passwd"}, "slime segment name"),
         ({**good, "segment": "torch_1_2"}, "slime segment name"),
         ({**good, "segment": "slime_w_" + "0" * 16}, "no shared-memory segment"),
-        ({**good, "segment": fifo.name}, "is not a file of this user"),
+        ({**good, "fd": fifo}, "no shared-memory segment"),
+        ({**good, "pid": "self"}, "pid and fd must be"),
+        ({**good, "fd": -1}, "pid and fd must be"),
         (entry(offset=segment_bytes), "reach past the end"),
         (entry(offset=2), "multiple of 4"),
         (entry(dtype="float33"), "dtype must name a torch dtype"),
@@ -460,7 +501,7 @@ def test_malformed_shared_memory_payloads_are_refused(tiny_model_dir, shm_engine
         assert response.status_code == 400 and "must be a JSON string" in response.text
     finally:
         release_send_segments()
-        fifo.unlink()
+        os.close(fifo)
     assert requests.get(f"{url}/get_model_info", timeout=30).json()["weight_version"] == version
     assert torch.equal(_engine_log_probs(url, probe), before)
 
@@ -468,14 +509,15 @@ def test_malformed_shared_memory_payloads_are_refused(tiny_model_dir, shm_engine
 _TRAINER = """
 import json, sys, torch
 from slime.utils.weight_transport import stage_named_tensors
-print(json.dumps([stage_named_tensors([("w", torch.ones(1000))], index) for index in (0, 1)]), flush=True)
-sys.stdin.readline()  # the test looks at /dev/shm meanwhile
+print(json.dumps([stage_named_tensors([("w", torch.full((1000,), 3.0))], index) for index in (0, 1)]), flush=True)
+sys.stdin.readline()  # the test maps a segment meanwhile
 """
 
 
 @pytest.mark.reliability(
     "a trainer holding weight segments exits, or is killed with SIGKILL",
-    "its segments are unlinked (atexit; after SIGKILL, Python's resource tracker): nothing is left in /dev/shm",
+    "nothing is left to clean up: segments are memory files, never names in /dev/shm; their memory lasts while "
+    "an engine's weights live in it, and a payload naming the dead trainer's segments is refused",
 )
 @pytest.mark.parametrize("ending", ["exit", "sigkill"])
 def test_a_trainer_leaves_no_segment_behind(ending):
@@ -483,20 +525,23 @@ def test_a_trainer_leaves_no_segment_behind(ending):
     trainer = subprocess.Popen(
         [sys.executable, "-c", _TRAINER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )
+    segments = MappedSegments()
     try:
-        names = _segments_of(json.loads(trainer.stdout.readline()))
-        assert len(names) == 2 and all((SHM_DIR / name).exists() for name in names)
+        payloads = [parse_shared_payload(payload) for payload in json.loads(trainer.stdout.readline())]
+        assert _open_in(trainer.pid) == {payload.segment for payload in payloads} and not _slime_files_in_dev_shm()
+        ((_, weights),) = segments.named_tensors(payloads[0])  # as an engine whose weights live in the segment
         if ending == "exit":
             trainer.communicate("\n", timeout=60)
             assert trainer.returncode == 0
         else:
             trainer.kill()
             trainer.wait(timeout=60)
-        deadline = time.monotonic() + 20  # the resource tracker notices its parent is gone and cleans up
-        while any((SHM_DIR / name).exists() for name in names) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any((SHM_DIR / name).exists() for name in names)
+        assert weights.tolist() == [3.0] * 1000  # the memory lives on while it is mapped
+        with pytest.raises(ValueError, match="there is no shared-memory segment"):
+            segments.named_tensors(payloads[1])
+        assert not segments.mappings and not _slime_files_in_dev_shm()  # the mapping went with its sender
     finally:
+        segments.close()
         if trainer.poll() is None:
             trainer.kill()
 

@@ -246,6 +246,11 @@ class CpuEngine:
             total = len(self._active)
         return {"num_running_reqs": total - waiting, "num_waiting_reqs": waiting, "num_total_reqs": total}
 
+    def generated_tokens_in_flight(self) -> int:
+        """Tokens the requests still in flight have produced so far (what an abort now would hand back)."""
+        with self._cond:
+            return sum(len(r.output_ids) for r in self._active.values())
+
     def update_weights(
         self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None
     ) -> concurrent.futures.Future[str]:

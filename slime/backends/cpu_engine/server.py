@@ -510,6 +510,7 @@ async def get_server_info(request: web.Request) -> web.Response:
                 # SGLang's layout, in GB; here the weights' live storage (0 while released), no KV cache between batches
                 "memory_usage": {"weight": weights.parameter_bytes(engine.model) / 2**30, "kvcache": 0.0},
                 **engine.load(),
+                "num_generated_tokens_in_flight": engine.generated_tokens_in_flight(),
             }
         ],
     )

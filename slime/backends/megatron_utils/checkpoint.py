@@ -81,7 +81,9 @@ def is_hf_checkpoint(path: str | Path) -> bool:
     """An HF model folder: config.json, and none of Megatron's tracker file or torch_dist metadata."""
     path = Path(path)
     return (
-        (path / "config.json").is_file() and not (path / TRACKER_FILE).is_file() and not (path / ".metadata").exists()
+        (path / "config.json").is_file()
+        and not (path / TRACKER_FILE).is_file()
+        and not (path / atomic_dir.DCP_INDEX).exists()
     )
 
 
@@ -200,7 +202,7 @@ def has_checkpoint(path: str | Path | None) -> bool:
     if not path:
         return False
     path = Path(path)
-    return read_tracker(path) is not None or (path / ".metadata").exists() or is_hf_checkpoint(path)
+    return read_tracker(path) is not None or (path / atomic_dir.DCP_INDEX).exists() or is_hf_checkpoint(path)
 
 
 def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> tuple[Path, int]:
@@ -221,7 +223,7 @@ def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> tuple[
         if not directory.is_dir():
             raise FileNotFoundError(f"checkpoint {directory} does not exist (iteration {chosen} of {path})")
         return directory, 0 if chosen == "release" else int(chosen)
-    if (path / ".metadata").exists():
+    if (path / atomic_dir.DCP_INDEX).exists():
         match = _ITER_DIR.fullmatch(path.name)
         return path, int(match.group(1)) if match else 0
     raise FileNotFoundError(

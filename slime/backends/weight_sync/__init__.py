@@ -5,8 +5,8 @@ Shared by both training backends; each backend only says how it produces its ful
 package; it imports no backend. `choose_transport` picks one transport per connection from the flags, one
 class per transport (`base.WeightTransport`: connect, stage, push, close):
 
-- `SharedMemoryTransport` (`--colocate`, CPU tensors): /dev/shm segments the engine's weights live in.
-- `CudaIpcTransport` (`--colocate`, CUDA tensors or no /dev/shm): CUDA IPC handles, one payload per engine TP rank.
+- `SharedMemoryTransport` (`--colocate`, CPU tensors): sealed memory segments the engine's weights live in.
+- `CudaIpcTransport` (`--colocate`, CUDA tensors or no memfd): CUDA IPC handles, one payload per engine TP rank.
 - `BroadcastTransport` (disaggregated): training rank 0 broadcasts over a group with every engine rank.
 - `DiskTransport` (`--update-weight-transport disk`): a HF folder under `--update-weight-disk-dir`.
 

@@ -1,6 +1,6 @@
 """Colocated engines, CUDA tensors: CUDA IPC handles of the trainer's buckets, as SGLang expects them.
 
-Also the colocated path on a host without /dev/shm: `serialize_named_tensors` then carries CPU tensors by value
+Also the colocated path on a host without memfd: `serialize_named_tensors` then carries CPU tensors by value
 inside the payload. The payload format is `slime.utils.weight_transport`'s.
 """
 

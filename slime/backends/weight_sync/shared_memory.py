@@ -1,4 +1,4 @@
-"""Colocated engines on this host, CPU tensors: buckets copied into /dev/shm segments the engine's weights live in.
+"""Colocated engines on this host, CPU tensors: buckets copied into sealed memory segments the engine's weights live in.
 
 The wire format (segments, JSON layout, the receiving side) is `slime.utils.weight_transport`'s.
 """

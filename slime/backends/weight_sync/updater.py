@@ -23,8 +23,8 @@ from slime.utils.weight_transport import segment_tag, shared_memory_available
 def choose_transport(args: Namespace, device: torch.device, previous: WeightTransport | None = None) -> WeightTransport:
     """The transport for this trainer's engines, from its flags (call it once per connection).
 
-    - `--colocate`: tensors on this host; through /dev/shm segments when the trainer's tensors are on CPU
-      (`SharedMemoryTransport`), as CUDA IPC handles otherwise or where there is no /dev/shm (`CudaIpcTransport`).
+    - `--colocate`: tensors on this host; through sealed shared-memory segments when the trainer's tensors are on CPU
+      (`SharedMemoryTransport`), as CUDA IPC handles otherwise or where there is no memfd (`CudaIpcTransport`).
     - `--update-weight-transport disk`: a HF folder the engines load (`DiskTransport`).
     - otherwise: a broadcast from training rank 0 over a group with every engine rank (`BroadcastTransport`).
 
