@@ -129,6 +129,7 @@ class TrajectoryProxy:
         request_timeout: Seconds one engine request may take (None: no limit).
         model_name: The model id `GET /models` lists (default: the tokenizer's path).
         host: Interface to listen on.
+        lora_path: The engines' adapter every turn generates with (`--lora-rank`); None: the base model.
     """
 
     def __init__(
@@ -138,8 +139,10 @@ class TrajectoryProxy:
         request_timeout: float | None = None,
         model_name: str | None = None,
         host: str = "127.0.0.1",
+        lora_path: str | None = None,
     ):
         self.tokenizer = tokenizer
+        self.lora_path = lora_path
         self.request_timeout = request_timeout
         self.model_name = model_name or str(getattr(tokenizer, "name_or_path", "") or "model")
         self.host = host
@@ -362,6 +365,8 @@ class TrajectoryProxy:
     async def _generate(self, session: Session, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
         url = f"{session.engine_url}/generate"
         payload = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+        if self.lora_path is not None:
+            payload["lora_path"] = self.lora_path
         try:
             return await async_post_json(url, payload, timeout=self.request_timeout, headers=self._headers)
         except HTTPRequestError as error:

@@ -292,6 +292,7 @@ class TrainRayActor:
             raise ValueError("--use-kl-loss / --kl-coef need reference log-probs: init the actor with with_ref=True")
         self.args, self.role = args, role
         self.ref_weights: Weights | None = None  # set by `_build` when with_ref
+        self.reference_is_base = False  # set by `_build` under LoRA: the reference is the adapter switched off
         self.actor_backup: Weights | None = None
         # --use-rollout-routing-replay: the policy's forwards route as the engines did (off for the reference)
         self.replay_routing = role == "actor" and args.use_rollout_routing_replay
@@ -435,9 +436,9 @@ class TrainRayActor:
         log-probs where the old ones are not the trainer's (`OldLogProbSource.fill`)."""
         self._check_rollout_log_probs(data)
         self._check_teacher_log_probs(data)
-        if self.ref_weights is not None:
+        if self.ref_weights is not None or self.reference_is_base:
             with timer.phase("ref_log_probs"), self._routing_replay_off():
-                data["ref_log_probs"] = self._log_probs_with(self.ref_weights, steps, len(data["tokens"]))
+                data["ref_log_probs"] = self._reference_log_probs(steps, len(data["tokens"]))
         own_log_probs = self.old_log_probs.fill(self, data, steps, timer)
         if values_refs is not None:
             data["values"] = self._values_for_this_rank(values_refs)
@@ -535,6 +536,10 @@ class TrainRayActor:
         """Critic: the values `compute_values` kept for this shard (None if it was another one); forgets them."""
         cached, self.cached_values = self.cached_values, None
         return cached[1] if cached is not None and cached[0] == _shard_key(data) else None
+
+    def _reference_log_probs(self, steps: list, num_samples: int) -> list[torch.Tensor]:
+        """This rank's reference log-probs (`--use-kl-loss`, `--kl-coef`): the reference weights swapped in."""
+        return self._log_probs_with(self.ref_weights, steps, num_samples)
 
     def _log_probs_with(self, weights: Weights, steps: list, num_samples: int) -> list[torch.Tensor]:
         """Log-probs of other weights (this rank's part, e.g. the reference): swapped into the model and back."""
@@ -694,7 +699,9 @@ class TrainRayActor:
                 `EngineClient`s of `--rollout-external-engine-addrs`).
             engine_urls: Their base URLs (used to pick the address engines reach this rank at).
         """
-        transport = choose_transport(self.args, self.device, previous=self.weight_updater.transport)
+        transport = choose_transport(
+            self.args, self.device, previous=self.weight_updater.transport, adapter_config=self._adapter_config()
+        )
         self.weight_updater.connect(transport, engines, engine_urls)
 
     def update_weights(self) -> None:
@@ -706,7 +713,7 @@ class TrainRayActor:
         dtype = torch.bfloat16 if self.args.bf16 else None
         version = self.weight_updater.push(self._hf_weight_buckets(dtype))
         self.old_log_probs.after_push(self, version)
-        if self.weight_updater.check_first_push and version == 1:
+        if (self.weight_updater.check_first_push and version == 1) or self.args.check_lora_weight_equal:
             self.check_weights_equal()
 
     def check_weights_equal(self) -> dict[str, float]:
@@ -770,6 +777,10 @@ class TrainRayActor:
     def _load_weights(self, weights: Weights) -> None:
         """Copy a `_snapshot_weights` result back into the model."""
         raise NotImplementedError
+
+    def _adapter_config(self) -> dict | None:
+        """The LoRA adapter's PEFT config when only an adapter is trained and pushed (`--lora-rank`), else None."""
+        return None
 
     def _hf_weight_buckets(self, dtype: torch.dtype | None) -> list:
         """The model's weights under HF names in buckets of `--update-weight-buffer-size` (a collective)."""

@@ -27,6 +27,7 @@ from slime.agent.multi_turn import load_tokenizer
 from slime.agent.trajectory_proxy import TrajectoryProxy, session_to_sample
 from slime.utils.engine_args import context_limit as default_context_limit
 from slime.utils.engine_args import engine_api_key
+from slime.utils.lora import rollout_adapter
 from slime.utils.misc import load_function
 from slime.utils.run_context import RunContext, engine_urls
 from slime.utils.types import Sample, Status
@@ -63,6 +64,7 @@ async def get_proxy(args) -> TrajectoryProxy:
             load_tokenizer(args.hf_checkpoint, args.trust_remote_code),
             api_key=engine_api_key(args),
             request_timeout=getattr(args, "sglang_router_request_timeout_secs", None),
+            lora_path=rollout_adapter(args),
         )
     await _proxy.start()
     return _proxy

@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from slime.utils.engine_args import engine_api_key, engine_failover_window
 from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
+from slime.utils.lora import rollout_adapter
 from slime.utils.misc import load_pretrained
 from slime.utils.moe_routing import decode_routed_experts, routing_shape
 from slime.utils.run_context import RunContext, engine_urls, router_url
@@ -43,6 +44,9 @@ async def generate_into_sample(
         The text the engine generated.
     """
     payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
+    adapter = rollout_adapter(args)
+    if adapter is not None:  # --lora-rank: the policy is the engines' base plus the adapter being trained
+        payload["lora_path"] = adapter
     replay = getattr(args, "use_rollout_routing_replay", False)
     if replay:
         payload["return_routed_experts"] = True

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from slime.backends import weight_sync
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.sglang_utils.router import add_worker, router_cli_parser, start_router, wait_for_workers
 from slime.utils.http_utils import find_free_port, wait_until_healthy
@@ -81,14 +82,7 @@ def cpu_engine_process(model_dir: str | Path, *flags: str) -> Iterator[tuple[Eng
         yield EngineClient(url), url
 
 
-def engine_prompt_log_probs(client: EngineClient, tokens: list[int]) -> torch.Tensor:
-    """The engine's log-prob of every token of `tokens` after the first, at temperature 1 (a scoring request)."""
-    response = client.generate(
-        {
-            "input_ids": tokens,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-        }
-    )
-    return torch.tensor([entry[0] for entry in response["meta_info"]["input_token_logprobs"][1:]])
+def engine_prompt_log_probs(client: EngineClient, tokens: list[int], lora_path: str | None = None) -> torch.Tensor:
+    """The engine's log-prob of every token of `tokens` after the first, at temperature 1 (a scoring request), under
+    the loaded adapter `lora_path` if given: the trainer's own probe, as a tensor."""
+    return torch.tensor(weight_sync.engine_prompt_log_probs(client, tokens, lora_path))

@@ -9,6 +9,7 @@ shorter one (continuous batching); finished rows are dropped with `batch_select_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from slime.backends.cpu_engine.lora import LoraStore
 from slime.backends.cpu_engine.protocol import GenerationRequest
 from slime.utils.moe_routing import HFRouters
 
@@ -51,6 +53,11 @@ def _cache_argument(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
+def _adapters(lora: LoraStore | None, names: list[str | None]) -> contextlib.AbstractContextManager:
+    """Apply each row's LoRA adapter (`names[row]`, None for the base model) to the forwards in the block."""
+    return lora.rows(names) if lora is not None else contextlib.nullcontext()
+
+
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into (ids, attention_mask), both (len(sequences), longest)."""
     longest = max(len(s) for s in sequences)
@@ -64,32 +71,40 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 @torch.no_grad()
 def prefill(
-    model, requests: list[GenerationRequest], pad_id: int, routers: HFRouters | None = None
+    model,
+    requests: list[GenerationRequest],
+    pad_id: int,
+    routers: HFRouters | None = None,
+    lora: LoraStore | None = None,
 ) -> tuple[RunningBatch, torch.Tensor]:
     """Run the prompts of `requests` through the model in one left-padded forward.
 
-    Identical prompts (GRPO's n samples of one prompt arrive together) are computed once and
-    their cache rows copied, so prefill costs one pass per distinct prompt. With `routers`, requests
-    that asked for it get their prompt's routed experts appended to `routed_experts`.
+    Identical prompts of the same adapter (GRPO's n samples of one prompt arrive together) are computed
+    once and their cache rows copied, so prefill costs one pass per distinct prompt. With `routers`, requests
+    that asked for it get their prompt's routed experts appended to `routed_experts`. With `lora`, each row
+    gets its request's adapter (`lora_path`).
 
     Returns:
         (batch, logits): `batch.last_tokens` is still unset (zeros) until the caller samples from
         `logits`, the (rows, vocab) next-token logits of every prompt.
     """
-    distinct: dict[tuple[int, ...], int] = {}
-    source_rows = torch.tensor([distinct.setdefault(tuple(r.input_ids), len(distinct)) for r in requests])
-    ids, mask = left_pad([list(prompt) for prompt in distinct], pad_id)
+    distinct: dict[tuple[str | None, tuple[int, ...]], int] = {}
+    source_rows = torch.tensor(
+        [distinct.setdefault((r.lora_path, tuple(r.input_ids)), len(distinct)) for r in requests]
+    )
+    ids, mask = left_pad([list(prompt) for _, prompt in distinct], pad_id)
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     # The model fills `cache` in place.
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-        **{_cache_argument(type(model)): cache},
-    )
+    with _adapters(lora, [name for name, _ in distinct]):
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{_cache_argument(type(model)): cache},
+        )
     logits = out.logits[:, -1, :]
     if routers is not None and any(r.return_routed_experts for r in requests):
         routed = routers.take()
@@ -111,19 +126,21 @@ def prefill(
 
 
 @torch.no_grad()
-def decode(model, batch: RunningBatch, routers: HFRouters | None = None) -> torch.Tensor:
+def decode(model, batch: RunningBatch, routers: HFRouters | None = None, lora: LoraStore | None = None) -> torch.Tensor:
     """Feed every row's last token, extend the cache by one column, return (rows, vocab) logits.
 
     With `routers`, requests that asked for it get the fed token's routed experts appended to `routed_experts`.
+    With `lora`, each row gets its request's adapter.
     """
     mask = torch.cat([batch.attention_mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=-1)
-    out = model(
-        input_ids=batch.last_tokens.unsqueeze(-1),
-        attention_mask=mask,
-        position_ids=batch.next_positions.unsqueeze(-1),
-        use_cache=True,
-        **{_cache_argument(type(model)): batch.cache},
-    )
+    with _adapters(lora, [r.lora_path for r in batch.requests]):
+        out = model(
+            input_ids=batch.last_tokens.unsqueeze(-1),
+            attention_mask=mask,
+            position_ids=batch.next_positions.unsqueeze(-1),
+            use_cache=True,
+            **{_cache_argument(type(model)): batch.cache},
+        )
     batch.attention_mask = mask
     batch.next_positions = batch.next_positions + 1
     if routers is not None and any(r.return_routed_experts for r in batch.requests):
@@ -135,12 +152,21 @@ def decode(model, batch: RunningBatch, routers: HFRouters | None = None) -> torc
 
 
 @torch.no_grad()
-def prompt_log_probs(model, input_ids: list[int], start: int, temperature: float) -> list[float | None]:
+def prompt_log_probs(
+    model,
+    input_ids: list[int],
+    start: int,
+    temperature: float,
+    lora: LoraStore | None = None,
+    adapter: str | None = None,
+) -> list[float | None]:
     """Log-probs of prompt tokens given their prefix, for positions >= `start` (None elsewhere and at 0).
 
-    Run on its own (batch of one) so the full (length, vocab) logits of only one prompt are alive.
+    Run on its own (batch of one) so the full (length, vocab) logits of only one prompt are alive. `adapter`
+    names the LoRA adapter of `lora` to apply (None: the base model).
     """
-    logits = model(input_ids=torch.tensor([input_ids]), use_cache=False).logits[0, :-1].float()
+    with _adapters(lora, [adapter]):
+        logits = model(input_ids=torch.tensor([input_ids]), use_cache=False).logits[0, :-1].float()
     scale = temperature if temperature > 0 else 1.0
     log_probs = (logits / scale).log_softmax(dim=-1)
     picked = log_probs.gather(-1, torch.tensor(input_ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()

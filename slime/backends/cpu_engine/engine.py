@@ -32,6 +32,7 @@ import torch
 
 from slime.backends.cpu_engine import batch as batching
 from slime.backends.cpu_engine import weights
+from slime.backends.cpu_engine.lora import LoraAdapter, LoraStore
 from slime.backends.cpu_engine.protocol import GenerationRequest, RequestError
 from slime.backends.cpu_engine.sampling import sample_next_tokens
 from slime.utils.moe_routing import HFRouters, routing_shape
@@ -80,6 +81,10 @@ class CpuEngine:
         num_threads: torch intra-op threads for the worker; None leaves torch's setting alone.
         tokenizer_path: Tokenizer folder when it is not `model_path`.
         trust_remote_code: Let transformers run Python code shipped in the model folder.
+        enable_lora: Serve LoRA adapters per request (`lora_path`); without it requests naming one are refused.
+        max_lora_rank: Highest adapter rank accepted; None for any.
+        lora_target_modules: Linear leaf names adapters may target (or ["all-linear"]); None for all.
+        max_loras_per_batch: Most distinct adapters in the running batch; requests of further ones wait.
     """
 
     def __init__(
@@ -93,6 +98,10 @@ class CpuEngine:
         num_threads: int | None = None,
         tokenizer_path: str | Path | None = None,
         trust_remote_code: bool = False,
+        enable_lora: bool = False,
+        max_lora_rank: int | None = None,
+        lora_target_modules: list[str] | None = None,
+        max_loras_per_batch: int = 8,
     ):
         if not Path(model_path).is_dir():
             raise ValueError(
@@ -115,6 +124,9 @@ class CpuEngine:
         self.weight_version = "default"
         # MoE models: the routers' choices, for requests with return_routed_experts
         self.routers = HFRouters(self.model, config.num_hidden_layers) if routing_shape(config) else None
+        self.lora = (
+            LoraStore(self.model, max_lora_rank, lora_target_modules, max_loras_per_batch) if enable_lora else None
+        )
 
         # A file or folder that holds exactly the live weights, reloaded by resume; None once they drift.
         on_disk = weights.safetensors_names(self.model_path)
@@ -172,6 +184,7 @@ class CpuEngine:
             taken = [r.rid for r in requests if r.rid in self._active]
             if taken:
                 raise RequestError(f"rid {taken[0]!r} is already in flight; use a fresh rid")
+            self._check_adapters(requests)
             for request in requests:
                 if request.params.sampling_seed is not None:
                     request.generator = torch.Generator().manual_seed(request.params.sampling_seed)
@@ -192,17 +205,23 @@ class CpuEngine:
                 hits = list(self._active.values())
             else:
                 hits = [self._active[rid]] if rid in self._active else []
-            waiting = []
-            for request in hits:
-                request.abort_requested = True
-                if request in self._pending:
-                    self._pending.remove(request)
-                    waiting.append(request)
-            self._abort_signal = True
-            self._cond.notify()
+            waiting = self._mark_aborted(hits)
         for request in waiting:
             self._finish(request, _abort_reason())
         return len(hits)
+
+    def _mark_aborted(self, hits: list[GenerationRequest]) -> list[GenerationRequest]:
+        """Flag `hits` for abort (under `_cond`); returns those still waiting, taken off the queue: the caller
+        finishes them (running ones end at the next step boundary)."""
+        waiting = []
+        for request in hits:
+            request.abort_requested = True
+            if request in self._pending:
+                self._pending.remove(request)
+                waiting.append(request)
+        self._abort_signal = True
+        self._cond.notify()
+        return waiting
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `fn` on the worker thread at the next step boundary; the future holds its result."""
@@ -319,6 +338,54 @@ class CpuEngine:
 
         return self.call(run)
 
+    def set_weight_version(self, version: str) -> concurrent.futures.Future[str]:
+        """Label the live weights `version` between two steps (SGLang's /update_weight_version, sent after an
+        adapter push that changed what the engine generates); the future holds it."""
+        return self.call(lambda: self._bump_version(version))
+
+    def lora_adapters(self) -> dict[str, str]:
+        """name -> source of every loaded adapter ({} without LoRA)."""
+        with self._cond:
+            return self.lora.loaded() if self.lora is not None else {}
+
+    def lora_store(self) -> LoraStore:
+        """The adapter store; RequestError (400) when the engine was started without --enable-lora."""
+        if self.lora is None:
+            raise RequestError(_LORA_OFF)
+        return self.lora
+
+    def add_lora_adapter(self, adapter: LoraAdapter) -> concurrent.futures.Future[dict[str, str]]:
+        """Hold `adapter` (built by `lora_store().build`) from the next step on; the future holds `lora_adapters()`."""
+        store = self.lora_store()
+
+        def run() -> dict[str, str]:
+            with self._cond:
+                store.add(adapter)
+                return store.loaded()
+
+        return self.call(run)
+
+    def remove_lora_adapter(self, name: str) -> concurrent.futures.Future[dict[str, str]]:
+        """Abort the requests in flight that use adapter `name`, then drop it; the future holds `lora_adapters()`.
+
+        Both happen under one lock hold between two steps, so a request naming it either is aborted here or,
+        submitted later, is refused.
+        """
+        store = self.lora_store()
+
+        def run() -> dict[str, str]:
+            with self._cond:
+                if name not in store.adapters:
+                    raise RequestError(f"no adapter named {name!r} is loaded; loaded: {sorted(store.adapters)}")
+                waiting = self._mark_aborted([r for r in self._active.values() if r.lora_path == name])
+                store.remove(name)  # the worker drops the running rows that use it before the next forward
+                loaded = store.loaded()
+            for request in waiting:
+                self._finish(request, _abort_reason(f"adapter {name!r} was unloaded"))
+            return loaded
+
+        return self.call(run)
+
     def release_memory(self) -> concurrent.futures.Future[None]:
         """Free the weights' memory. Refused (400) while requests are in flight.
 
@@ -342,6 +409,20 @@ class CpuEngine:
             shutil.rmtree(self._scratch_dir, ignore_errors=True)
 
     # ----- worker thread ----------------------------------------------------------------------
+
+    def _check_adapters(self, requests: list[GenerationRequest]) -> None:
+        """Refuse requests naming an adapter that is not loaded (called under `_cond`)."""
+        names = [r.lora_path for r in requests if r.lora_path is not None]
+        if not names:
+            return
+        if self.lora is None:
+            raise RequestError(f"lora_path: {_LORA_OFF}")
+        unknown = next((name for name in names if name not in self.lora.adapters), None)
+        if unknown is not None:
+            raise RequestError(
+                f"lora_path {unknown!r} is not a loaded adapter; loaded: {sorted(self.lora.adapters)} "
+                "(load it first with /load_lora_adapter)"
+            )
 
     def _has_work(self) -> bool:
         can_run = not self._paused and not self.released and (self._pending or self._batch is not None)
@@ -387,20 +468,36 @@ class CpuEngine:
         if self._batch is not None and not batching.caches_can_merge(self._batch.cache):
             return []
         taken: list[GenerationRequest] = []
+        # Requests of an adapter beyond --max-loras-per-batch wait, in order, for the batch to drop one.
+        adapters = {r.lora_path for r in self._batch.requests} if self._batch is not None else set()
+        adapters.discard(None)
+        held_back = []
         with self._cond:
             longest = 0
             while self._pending and running + len(taken) < self.max_running_requests:
+                name = self._pending[0].lora_path
+                if name is not None and name not in adapters and len(adapters) >= self.lora.max_per_batch:
+                    held_back.append(self._pending.popleft())
+                    continue
                 longest = max(longest, len(self._pending[0].input_ids))
                 if taken and longest * (len(taken) + 1) > self.max_prefill_tokens:
                     break
                 taken.append(self._pending.popleft())
+                if name is not None:
+                    adapters.add(name)
+            self._pending.extendleft(reversed(held_back))
         return taken
 
     def _admit(self, requests: list[GenerationRequest]) -> None:
         for request in requests:
             if request.logprob_start_len >= 0:
                 request.input_logprobs = batching.prompt_log_probs(
-                    self.model, request.input_ids, request.logprob_start_len, request.params.temperature
+                    self.model,
+                    request.input_ids,
+                    request.logprob_start_len,
+                    request.params.temperature,
+                    self.lora,
+                    request.lora_path,
                 )
         generating = []
         for request in requests:
@@ -410,14 +507,14 @@ class CpuEngine:
                 generating.append(request)
         if not generating:
             return
-        joining, logits = batching.prefill(self.model, generating, self.pad_token_id, self.routers)
+        joining, logits = batching.prefill(self.model, generating, self.pad_token_id, self.routers, self.lora)
         joining = self._advance(joining, logits)
         if joining is None:
             return
         self._set_batch(joining if self._batch is None else batching.merge(self.model, self._batch, joining))
 
     def _decode_step(self) -> None:
-        logits = batching.decode(self.model, self._batch, self.routers)
+        logits = batching.decode(self.model, self._batch, self.routers, self.lora)
         self._set_batch(self._advance(self._batch, logits))
 
     def _advance(self, batch: batching.RunningBatch, logits: torch.Tensor) -> batching.RunningBatch | None:
@@ -593,6 +690,9 @@ def _top_log_probs(
         count = watches[row].top_logprobs
         tops[row] = list(zip(ids[i, :count].tolist(), values[i, :count].tolist()))
     return tops
+
+
+_LORA_OFF = "LoRA is not enabled on this engine; start it with --enable-lora to serve adapters"
 
 
 def _abort_reason(message: str = "aborted") -> dict[str, Any]:

@@ -4,7 +4,8 @@ Each request is translated into the same body /generate takes and parsed by `par
 so validation, context-length checks and stop handling are the native ones. SGLang's extra fields
 (`top_k`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`),
 which sglang-router forwards, are honoured as SGLang's OpenAI server does. Tool calls in the
-Hermes / Qwen `<tool_call>` format become `tool_calls` (see `slime.utils.tool_calls`).
+Hermes / Qwen `<tool_call>` format become `tool_calls` (see `slime.utils.tool_calls`). A LoRA adapter
+is chosen with SGLang's extra field `lora_path` or a `model` of the form `<base>:<adapter name>`.
 
 `stream: true` answers server-sent events token by token, fed from the engine's decode loop through
 a `TokenWatch`: a choice's text goes out as soon as it can no longer change (an incomplete UTF-8
@@ -105,12 +106,36 @@ def _sampling(body: dict, engine: CpuEngine) -> dict[str, Any]:
     return params
 
 
+def _adapters(body: dict, engine: CpuEngine, prompts: int) -> list[str | None]:
+    """The LoRA adapter of each prompt: SGLang's `lora_path` (one name, or one per prompt), else the `<base>:<adapter>`
+    form of `model` on an engine serving adapters; None is the base model."""
+    value = body.get("lora_path")
+    model = body.get("model")
+    if value is None and engine.lora is not None and isinstance(model, str) and ":" in model:
+        value = model.rpartition(":")[2]
+    if value is None or isinstance(value, str):
+        return [value] * prompts
+    if isinstance(value, list) and len(value) == prompts and all(v is None or isinstance(v, str) for v in value):
+        return value
+    raise OpenAIError(
+        f"'lora_path' must be an adapter name, null, or a list of those with one per prompt ({prompts}); got {value!r}",
+        "lora_path",
+    )
+
+
 def _build_requests(
-    engine: CpuEngine, prompts: list[list[int]], params: dict, n: int, seed: int | None, logprobs: bool
+    engine: CpuEngine,
+    prompts: list[list[int]],
+    params: dict,
+    n: int,
+    seed: int | None,
+    logprobs: bool,
+    adapters: list[str | None],
 ) -> list[GenerationRequest]:
     """n requests per prompt, through the native parser; choice i of a seeded request uses `seed + i`.
 
-    Without `max_tokens` a choice may run to the end of the context, as OpenAI's default.
+    Without `max_tokens` a choice may run to the end of the context, as OpenAI's default. `adapters` holds
+    each prompt's LoRA adapter (see `_adapters`).
     """
     base = uuid.uuid4().hex
     sampling = [
@@ -128,6 +153,7 @@ def _build_requests(
         "return_logprob": logprobs,
         "return_text_in_logprobs": logprobs,
         "rid": [f"{base}-{k}" for k in range(len(prompts) * n)],
+        "lora_path": [adapter for adapter in adapters for _ in range(n)],
     }
     requests, _ = parse_generate_request(native, engine.tokenizer, engine.vocab_size, engine.context_length)
     return requests
@@ -452,7 +478,7 @@ def add_routes(
         top_logprobs = _top_logprobs(body, logprobs)
         # Templating and tokenizing take a while on a long conversation: off the event loop.
         prompt = await asyncio.to_thread(_chat_prompt, engine, messages, tools)
-        requests = _build_requests(engine, [prompt], params, n, seed, logprobs)
+        requests = _build_requests(engine, [prompt], params, n, seed, logprobs, _adapters(body, engine, 1))
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -519,7 +545,8 @@ def add_routes(
         streaming, include_usage = oai.stream_fields(body)
         logprobs = oai.integer_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
         top_logprobs = logprobs or 0
-        requests = _build_requests(engine, prompts, params, n, seed, logprobs is not None)
+        adapters = _adapters(body, engine, len(prompts))
+        requests = _build_requests(engine, prompts, params, n, seed, logprobs is not None, adapters)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",

@@ -1,8 +1,9 @@
 """The /generate wire format: parse SGLang-shaped JSON into `GenerationRequest`s and build responses.
 
 Only what this engine implements is accepted. SGLang fields that would change the result
-but are not implemented here (streaming, multimodal inputs, LoRA, penalties, grammars,
-top-logprobs) are rejected with HTTP 400 unless they carry their neutral value. Other
+but are not implemented here (streaming, multimodal inputs, penalties, grammars, top-logprobs)
+are rejected with HTTP 400 unless they carry their neutral value. `lora_path` names a loaded
+LoRA adapter (one per prompt in a batch, null for the base model; see `lora.py`). Other
 top-level fields are ignored, as SGLang does: sglang-router re-serializes every request and
 adds its own (`model`, `return_bytes`, ...). Unknown *sampling* parameters are refused, as in SGLang.
 """
@@ -46,6 +47,7 @@ class GenerationRequest:
         stop_str_window: How many trailing output tokens to decode when looking for stop strings.
         max_new_tokens: `params.max_new_tokens`, capped so prompt + output fits the context.
         return_routed_experts: Report the experts every token was routed to (MoE models; SGLang's R3 field).
+        lora_path: Name of the loaded LoRA adapter to generate with; None for the base model.
     """
 
     rid: str
@@ -57,6 +59,7 @@ class GenerationRequest:
     stop_str_window: int = 0
     max_new_tokens: int = 0
     return_routed_experts: bool = False
+    lora_path: str | None = None
     arrival_time: float = field(default_factory=time.time)
     # Filled in by the engine.
     output_ids: list[int] = field(default_factory=list)
@@ -199,7 +202,6 @@ _UNSUPPORTED_FIELDS = {
     "video_data",
     "audio_data",
     "modalities",
-    "lora_path",
     "lora_id",
     "custom_logit_processor",
     "session_params",
@@ -242,6 +244,7 @@ def parse_generate_request(
     return_logprob = _per_item(body, "return_logprob", count, is_batch, False, bool)
     logprob_start_len = _per_item(body, "logprob_start_len", count, is_batch, -1, int)
     return_routed = _per_item(body, "return_routed_experts", count, is_batch, False, bool)
+    lora_paths = _per_item(body, "lora_path", count, is_batch, None, str)
     return_text = body.get("return_text_in_logprobs") or False
     if not isinstance(return_text, bool):
         raise RequestError(f"return_text_in_logprobs must be true or false, got {return_text!r}")
@@ -257,6 +260,8 @@ def parse_generate_request(
                 f"logprob_start_len{where} must be -1 (output log-probs only) or a prompt position "
                 f"in [0, {len(input_ids)}), got {start!r}"
             )
+        if lora_paths[i] == "":
+            raise RequestError(f"lora_path{where} is empty; name a loaded adapter, or send null for the base model")
         room = context_length - len(input_ids)
         if room <= 0:
             raise RequestError(
@@ -280,6 +285,7 @@ def parse_generate_request(
                 stop_str_window=window + 2 if params.stop else 0,
                 max_new_tokens=room if params.max_new_tokens is None else params.max_new_tokens,
                 return_routed_experts=bool(return_routed[i]),
+                lora_path=lora_paths[i],
             )
         )
     return requests, is_batch

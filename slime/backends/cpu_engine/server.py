@@ -24,6 +24,12 @@ Endpoints (request/response shapes follow SGLang):
     POST /destroy_weights_update_group   {"group_name"}
     POST /update_weights_from_disk       {"model_path", "load_format"?, "weight_version"?}
     POST /release_memory_occupation, /resume_memory_occupation  {"tags"?}
+    POST /update_weight_version          {"new_version", "abort_all_requests"?}: relabel the live weights
+    POST /load_lora_adapter              {"lora_name", "lora_path": PEFT adapter folder, "pinned"?}
+    POST /load_lora_adapter_from_tensors {"lora_name", "config_dict", "serialized_tensors", "load_format": null}
+    POST /unload_lora_adapter            {"lora_name"}: requests in flight that use it are aborted
+                                         (LoRA endpoints answer {"success", "error_message", "loaded_adapters"};
+                                         they and `lora_path` in requests need --enable-lora)
     POST /v1/chat/completions, /v1/completions; GET /v1/models   OpenAI-compatible (see openai_api.py), with
                                          token-by-token `stream: true` and top log-probs.
 
@@ -65,7 +71,7 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from slime.backends.cpu_engine import openai_api, weights
+from slime.backends.cpu_engine import lora, openai_api, weights
 from slime.backends.cpu_engine.engine import CpuEngine, TokenWatch
 from slime.backends.cpu_engine.protocol import (
     GenerationRequest,
@@ -111,6 +117,11 @@ class ServerArgs:
             Required for any host other than loopback.
         max_queued_requests: Most requests waiting for a batch slot; more get 503 with Retry-After.
         trust_remote_code: Let transformers run Python code shipped in the model folder (its `auto_map`).
+        enable_lora: Serve LoRA adapters, chosen per request with `lora_path` (implied by `lora_paths`).
+        max_lora_rank: Highest adapter rank the engine accepts; None for any.
+        lora_target_modules: Linear leaf names (`q_proj`, ...) adapters may target, or ["all-linear"]; None for all.
+        max_loras_per_batch: Most distinct adapters in one running batch; requests of further ones wait.
+        lora_paths: Adapters loaded at start, each `name=path` or `path` (then named by its path).
     """
 
     model_path: str
@@ -127,6 +138,29 @@ class ServerArgs:
     api_key: str | None = None
     max_queued_requests: int = 4096
     trust_remote_code: bool = False
+    enable_lora: bool = False
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
+    max_loras_per_batch: int = 8
+    lora_paths: list[str] | None = None
+
+
+def lora_enabled(args: ServerArgs) -> bool:
+    """--enable-lora, or --lora-paths (which implies it, as in SGLang)."""
+    return args.enable_lora or bool(args.lora_paths)
+
+
+def parse_lora_paths(items: list[str]) -> list[tuple[str, str]]:
+    """`--lora-paths` items (`name=path` or `path`) -> (name, path); ValueError naming a bad or repeated item."""
+    pairs = []
+    for item in items:
+        name, _, path = item.partition("=") if "=" in item else (item, "", item)
+        if not name or not path:
+            raise ValueError(f"--lora-paths item {item!r} must be NAME=PATH or PATH")
+        if name in (n for n, _ in pairs):
+            raise ValueError(f"--lora-paths names the adapter {name!r} twice; give each adapter its own name")
+        pairs.append((name, path))
+    return pairs
 
 
 def _is_loopback(host: str) -> bool:
@@ -148,13 +182,30 @@ def check_server_args(args: ServerArgs) -> None:
             "request bodies (/update_weights_from_tensor) and accepts weight pushes from anyone who can reach it. "
             "Pass --api-key KEY (from slime: --sglang-api-key KEY), or bind --host 127.0.0.1."
         )
-    for name in ("max_running_requests", "max_queued_requests", "num_threads"):
+    for name in ("max_running_requests", "max_queued_requests", "num_threads", "max_loras_per_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_lora_rank is not None and args.max_lora_rank < 1:
+        raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
+    if args.lora_target_modules is not None and not all(args.lora_target_modules):
+        raise ValueError(f"--lora-target-modules {args.lora_target_modules}: give Linear leaf names or all-linear")
+    if not lora_enabled(args):
+        given = [
+            flag
+            for flag, used in (
+                ("--max-lora-rank", args.max_lora_rank is not None),
+                ("--lora-target-modules", args.lora_target_modules is not None),
+                ("--max-loras-per-batch", args.max_loras_per_batch != ServerArgs.max_loras_per_batch),
+            )
+            if used
+        ]
+        if given:
+            raise ValueError(f"{' and '.join(given)} only apply with --enable-lora; add it or drop them")
+    parse_lora_paths(args.lora_paths or [])
 
 
 def build_engine(args: ServerArgs) -> CpuEngine:
-    """Check `args`, set the thread budget and load the model described by them."""
+    """Check `args`, set the thread budget, load the model described by them and the `--lora-paths` adapters."""
     check_server_args(args)
     torch.set_num_threads(args.num_threads)
     with contextlib.suppress(RuntimeError):  # only allowed before any inter-op work started
@@ -162,7 +213,7 @@ def build_engine(args: ServerArgs) -> CpuEngine:
     dtype = weights.parse_dtype(args.dtype)
     if dtype != torch.float32:
         logger.warning("dtype %s: CPUs without native support run it far slower than float32", args.dtype)
-    return CpuEngine(
+    engine = CpuEngine(
         args.model_path,
         dtype=dtype,
         max_running_requests=args.max_running_requests,
@@ -172,7 +223,19 @@ def build_engine(args: ServerArgs) -> CpuEngine:
         num_threads=args.num_threads,
         tokenizer_path=args.tokenizer_path,
         trust_remote_code=args.trust_remote_code,
+        enable_lora=lora_enabled(args),
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=args.lora_target_modules,
+        max_loras_per_batch=args.max_loras_per_batch,
     )
+    for name, path in parse_lora_paths(args.lora_paths or []):
+        try:
+            config, tensors = lora.read_adapter_folder(path)
+            engine.add_lora_adapter(engine.lora_store().build(name, path, config, tensors)).result()
+        except ValueError as error:
+            engine.shutdown()
+            raise ValueError(f"--lora-paths {name}={path}: {error}") from None
+    return engine
 
 
 class _HideHttp2Probes(logging.Filter):
@@ -227,6 +290,10 @@ def create_app(engine: CpuEngine, args: ServerArgs) -> web.Application:
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/release_memory_occupation", release_memory_occupation)
     app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
+    app.router.add_post("/update_weight_version", update_weight_version)
+    app.router.add_post("/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/load_lora_adapter_from_tensors", load_lora_adapter_from_tensors)
+    app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
     # OpenAI-compatible /v1 routes, on the same queue and behind the same API key.
     read_body = functools.partial(_json_body, limit=GENERATE_MAX_BODY_BYTES)
     openai_api.add_routes(app, engine, _run_requests, read_body, args.max_queued_requests)
@@ -503,6 +570,9 @@ async def get_server_info(request: web.Request) -> web.Response:
         ep_size=1,
         version=VERSION,
         weight_version=engine.weight_version,
+        lora_enabled=engine.lora is not None,
+        max_loras_per_batch=engine.lora.max_per_batch if engine.lora is not None else None,
+        loaded_adapters=engine.lora_adapters(),
         internal_states=[
             {
                 "paused": engine.paused,
@@ -765,6 +835,17 @@ async def update_weights_from_disk(request: web.Request) -> dict:
     return {"message": f"loaded {model_path}", "weight_version": new_version, "num_paused_requests": 0}
 
 
+@_control
+async def update_weight_version(request: web.Request) -> dict:
+    engine = request.app[_ENGINE]
+    body = await _json_body(request)
+    version = str(_field(body, "new_version", (str, int)))
+    if _field(body, "abort_all_requests", bool, False):
+        engine.abort(abort_all=True)
+    new_version = await asyncio.wrap_future(engine.set_weight_version(version))
+    return {"message": f"weight version set to {new_version}", "weight_version": new_version}
+
+
 def _memory_tags(body: dict) -> list[str]:
     tags = _field(body, "tags", list, ["weights", "kv_cache"])
     unknown = [t for t in tags if t not in ("weights", "kv_cache", "cuda_graph")]
@@ -791,6 +872,92 @@ async def resume_memory_occupation(request: web.Request) -> str:
     started = time.time()
     await asyncio.wrap_future(request.app[_ENGINE].resume_memory())
     return f"weights resumed in {time.time() - started:.2f}s"
+
+
+# ----- LoRA adapters -------------------------------------------------------------------------
+
+
+def _lora_endpoint(handler: Callable[[web.Request], Awaitable[dict[str, str]]]):
+    """Wrap a LoRA endpoint: answer SGLang's {"success", "error_message", "loaded_adapters"}; 400 for caller errors."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.Response:
+        engine = request.app[_ENGINE]
+        try:
+            loaded = await handler(request)
+        except (RequestError, ValueError) as error:
+            status = error.status if isinstance(error, RequestError) else 400
+            body = {"success": False, "error_message": str(error), "loaded_adapters": engine.lora_adapters()}
+            return web.json_response(body, status=status)
+        except Exception as error:
+            logger.exception("%s failed", request.path)
+            message = f"{request.path} failed: {error!r}"
+            body = {"success": False, "error_message": message, "loaded_adapters": engine.lora_adapters()}
+            return web.json_response(body, status=500)
+        logger.info("%s: adapters now %s", request.path, sorted(loaded))
+        return web.json_response({"success": True, "error_message": "", "loaded_adapters": loaded})
+
+    return wrapped
+
+
+def _new_adapter_name(body: dict, store: lora.LoraStore) -> str:
+    name = _field(body, "lora_name", str)
+    if not name:
+        raise RequestError("lora_name is empty; name the adapter (requests use the name in lora_path)")
+    store.check_free(name)  # before reading anything; the worker checks again when it adds the adapter
+    return name
+
+
+@_lora_endpoint
+async def load_lora_adapter(request: web.Request) -> dict[str, str]:
+    engine = request.app[_ENGINE]
+    store = engine.lora_store()
+    body = await _json_body(request)
+    name = _new_adapter_name(body, store)
+    path = _field(body, "lora_path", str)
+    _field(body, "pinned", bool, False)  # every adapter stays resident here: there is nothing to pin against
+
+    def read() -> lora.LoraAdapter:
+        config, tensors = lora.read_adapter_folder(path)
+        return store.build(name, path, config, tensors)
+
+    adapter = await asyncio.to_thread(read)
+    return await asyncio.wrap_future(engine.add_lora_adapter(adapter))
+
+
+@_lora_endpoint
+async def load_lora_adapter_from_tensors(request: web.Request) -> dict[str, str]:
+    engine = request.app[_ENGINE]
+    store = engine.lora_store()
+    body = await _json_body(request)
+    name = _new_adapter_name(body, store)
+    config = _field(body, "config_dict", dict)
+    payload = _field(body, "serialized_tensors", str)
+    load_format = _field(body, "load_format", str, None)
+    if load_format not in (None, "direct"):
+        raise RequestError(
+            f"load_format={load_format!r} is not supported; send serialize_named_tensors output with load_format null"
+        )
+    if _field(body, "added_tokens_config", dict, None):
+        raise RequestError("added_tokens_config is not supported: adapters cannot add tokens here; send null")
+
+    def read() -> lora.LoraAdapter:
+        try:
+            tensors = weight_transport.deserialize_named_tensors(payload)
+        except ValueError as error:
+            raise RequestError(f"serialized_tensors could not be unpacked: {error}") from None
+        return store.build(name, name, config, tensors)
+
+    adapter = await asyncio.to_thread(read)
+    return await asyncio.wrap_future(engine.add_lora_adapter(adapter))
+
+
+@_lora_endpoint
+async def unload_lora_adapter(request: web.Request) -> dict[str, str]:
+    engine = request.app[_ENGINE]
+    engine.lora_store()  # without --enable-lora, say so before anything about the body
+    name = _field(await _json_body(request), "lora_name", str)
+    return await asyncio.wrap_future(engine.remove_lora_adapter(name))
 
 
 # ----- entry points --------------------------------------------------------------------------
@@ -902,6 +1069,26 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     )
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="run Python code shipped in the model folder (auto_map)"
+    )
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters, chosen per request with lora_path"
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="highest adapter rank accepted (default: any)")
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="Linear leaf names adapters may target (q_proj ...), or all-linear (default: all)",
+    )
+    parser.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=defaults.max_loras_per_batch,
+        help="most distinct adapters in one running batch; requests of further ones wait",
+    )
+    parser.add_argument(
+        "--lora-paths", nargs="+", default=None, metavar="NAME=PATH", help="PEFT adapter folders loaded at start"
     )
     args = ServerArgs(**vars(parser.parse_args(argv)))
     try:

@@ -8,6 +8,7 @@ way) are in `slime.utils.weight_transport`, shared with the trainers that send.
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -214,6 +215,22 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
     if odd:
         raise ValueError(f"model_path {str(model_path)!r}: {odd[:4]} are not regular files; only those are read")
     return files
+
+
+def read_regular_file(path: str | Path) -> bytes:
+    """The bytes of `path`, which must be a regular file; ValueError naming it otherwise.
+
+    Opened non-blocking and checked on the open descriptor, so a FIFO or device put there (even after a
+    check by name) is refused instead of blocking the engine in open() or read().
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise ValueError(f"cannot open {str(path)!r}: {error.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{str(path)!r} is not a regular file; only regular files are read")
+        return file.read()
 
 
 def _read_header(file: Path):

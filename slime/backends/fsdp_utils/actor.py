@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from slime.algorithms.aggregation import StepNormalizer
-from slime.backends.fsdp_utils import checkpoint
+from slime.backends.fsdp_utils import checkpoint, lora
 from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, build_step_micro_batches
 from slime.backends.fsdp_utils.loss import LOSS_FUNCTIONS
 from slime.backends.fsdp_utils.model import (
@@ -46,11 +46,12 @@ from slime.backends.fsdp_utils.update_weight import full_parameter_buckets
 from slime.backends.train_actor import TrainRayActor, Weights
 from slime.utils.arguments import FSDP_ATTENTION_BACKENDS
 from slime.utils.device import cuda_available
+from slime.utils.lora import lora_enabled
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
 from slime.utils.moe_routing import HFRouters
 from slime.utils.ppo_utils import compute_log_probs
-from slime.utils.weight_sync import Bucket
+from slime.utils.weight_sync import Bucket, bucket_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,12 @@ class FSDPTrainRayActor(TrainRayActor):
             trust_remote_code=args.trust_remote_code,
         )
         self.attn_implementation = model.config._attn_implementation
+        # --lora-rank: the actor trains an adapter on its frozen base, which is also the reference model.
+        self.lora = lora_enabled(args) and self.role == "actor"
+        if self.lora:
+            model = lora.apply_lora(model, args)
+            self.reference_is_base = with_ref
+            with_ref = False
         # the probe of `check_weights_equal` (actor only: the critic's ValueModel has no LM embeddings API)
         self.vocab_size = None if self.value_head else model.get_input_embeddings().weight.shape[0]
         if args.only_train_params_name_list or args.freeze_params_name_list:
@@ -114,6 +121,7 @@ class FSDPTrainRayActor(TrainRayActor):
                 None if finetune else self.lr_scheduler,
                 load_rng=not (finetune or args.no_load_rng),
                 rollout_id=ckpt_step,
+                adapter_only=self.lora,
             )
             start_rollout_id = 0 if finetune else loaded + 1
             logger.info("rank %d: loaded %s rollout %d", self.rank, load_root, loaded)
@@ -130,6 +138,11 @@ class FSDPTrainRayActor(TrainRayActor):
         if is_hf_folder(ref_load):
             return shard_full_state_dict(self.model, read_hf_state_dict(ref_load, "actor"))
         return checkpoint.read_checkpoint_shards(ref_load, self.model, self.args.ref_ckpt_step)
+
+    def _reference_log_probs(self, steps: Steps, num_samples: int) -> list:
+        if self.lora:  # the base model is the reference: the adapter switched off
+            return lora.reference_log_probs(self.model, lambda: self._forward_log_probs(steps, num_samples))
+        return super()._reference_log_probs(steps, num_samples)
 
     def _snapshot_weights(self, into: Weights | None = None) -> Weights:
         return snapshot_local_shards(self.model, into=into)
@@ -256,13 +269,22 @@ class FSDPTrainRayActor(TrainRayActor):
             save_optimizer=not self.args.no_save_optim,
             role=self.role,
             update_tracker=update_tracker,
+            adapter_only=self.lora,
         )
 
     def _save_hf(self, path: str) -> None:
+        if self.lora:  # --save-hf writes the adapter (a PEFT folder); tools/convert_to_hf.py can merge it
+            checkpoint.save_adapter_export(self.model, path, self.args.hf_checkpoint, self.args.trust_remote_code)
+            return
         checkpoint.save_hf_checkpoint(self.model, path, self.args.hf_checkpoint, self.args.trust_remote_code)
 
     def _hf_weight_buckets(self, dtype: torch.dtype | None) -> Iterator[Bucket]:
+        if self.lora:  # only the adapter travels; the engines keep the base they loaded
+            return bucket_named_tensors(lora.adapter_tensors(self.model, dtype), self.args.update_weight_buffer_size)
         return full_parameter_buckets(self.model, self.args.update_weight_buffer_size, dtype)
+
+    def _adapter_config(self) -> dict | None:
+        return lora.adapter_config(self.model) if self.lora else None
 
     # ---- offload -------------------------------------------------------------------------------
     def offload(self) -> int:

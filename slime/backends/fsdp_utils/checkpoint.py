@@ -4,7 +4,8 @@ Layout of `--save DIR` (the critic uses `DIR/critic`; see `slime.utils.run_dir`)
 
     DIR/latest_checkpointed_iteration.txt     the last complete step, e.g. "12" (written by the driver)
     DIR/iter_0000012/
-        model/        torch.distributed.checkpoint (DCP) of the sharded weights
+        model/        torch.distributed.checkpoint (DCP) of the sharded weights (under --lora-rank: the adapter's)
+        adapter/      under --lora-rank: the adapter as a PEFT folder (`peft.PeftModel.from_pretrained` loads it)
         optim/        DCP of the AdamW state (absent with --no-save-optim)
         scheduler.pt  LR scheduler state
         rng/rank_00000.pt ...   python / numpy / torch (/ CUDA) RNG state of each rank
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -43,10 +45,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from slime.backends.fsdp_utils import lora
 from slime.backends.fsdp_utils.model import gather_full_state_dict, reshard, save_hf_folder
 from slime.utils import atomic_dir, run_dir
 from slime.utils.checkpoint_safety import check_checkpoint
 from slime.utils.device import cuda_available
+from slime.utils.misc import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +126,7 @@ def save_checkpoint(
     save_optimizer: bool = True,
     role: str = "actor",
     update_tracker: bool = True,
+    adapter_only: bool = False,
 ) -> str:
     """Write `root/iter_XXXXXXX` atomically (and point the tracker at it). A collective: every rank calls it.
 
@@ -135,6 +140,8 @@ def save_checkpoint(
         role: Recorded in meta.json.
         update_tracker: Write the tracker too. The driver passes False and writes it once every part
             of the step (actor, critic, data source) is on disk.
+        adapter_only: `--lora-rank`: keep only the trained adapter (the frozen base is `--hf-checkpoint`), also as
+            a PEFT folder `adapter/`.
 
     Returns:
         The checkpoint folder.
@@ -153,7 +160,12 @@ def save_checkpoint(
     tmp_dir = atomic_dir.on_rank0(stage)
     reshard(model)
 
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(tmp_dir, "model"))
+    options = _model_state_options(adapter_only)
+    dcp.save({"model": get_model_state_dict(model, options=options)}, checkpoint_id=os.path.join(tmp_dir, "model"))
+    if adapter_only:
+        tensors = dict(lora.adapter_tensors(model))
+        if rank == 0:
+            lora.save_adapter_folder(model, tensors, os.path.join(tmp_dir, "adapter"))
     if save_optimizer:
         dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(tmp_dir, "optim"))
     torch.save(rng_state(), os.path.join(tmp_dir, "rng", f"rank_{rank:05d}.pt"))
@@ -178,6 +190,7 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     load_rng: bool = True,
     rollout_id: int | None = None,
+    adapter_only: bool = False,
 ) -> int:
     """Restore the checkpoint the tracker of `root` names (or `rollout_id`). A collective.
 
@@ -188,6 +201,7 @@ def load_checkpoint(
         scheduler: Loaded unless None.
         load_rng: Restore this rank's RNG state (`--no-load-rng` turns it off).
         rollout_id: Load this iteration instead of the tracker's.
+        adapter_only: `--lora-rank`: the checkpoint holds the adapter only (`save_checkpoint(adapter_only=True)`).
 
     Returns:
         The rollout id of the checkpoint.
@@ -211,9 +225,10 @@ def load_checkpoint(
         meta = json.load(f)
 
     reshard(model)
-    model_state = {"model": get_model_state_dict(model)}
+    options = _model_state_options(adapter_only)
+    model_state = {"model": get_model_state_dict(model, options=options)}
     dcp.load(model_state, checkpoint_id=os.path.join(folder, "model"))
-    set_model_state_dict(model, model_state["model"])
+    set_model_state_dict(model, model_state["model"], options=options)
     if optimizer is not None and meta["has_optimizer"]:
         optim_state = {"optim": get_optimizer_state_dict(model, optimizer)}
         dcp.load(optim_state, checkpoint_id=os.path.join(folder, "optim"))
@@ -233,6 +248,11 @@ def load_checkpoint(
     elif load_rng:
         logger.warning("%s has no RNG state for rank %d (saved with %d ranks)", folder, _rank(), meta["world_size"])
     return rollout_id
+
+
+def _model_state_options(adapter_only: bool) -> StateDictOptions | None:
+    """Under LoRA the model's state is its trainable adapter; the frozen base is neither saved nor loaded."""
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if adapter_only else None
 
 
 def read_checkpoint_shards(root: str, model: nn.Module, rollout_id: int | None = None) -> dict[str, torch.Tensor]:
@@ -283,5 +303,25 @@ def save_hf_checkpoint(
     if _rank() == 0:
         staging = atomic_dir.create_staging(path, "hf-export", "--save-hf")
         save_hf_folder(model, full_state_dict, str(staging), tokenizer_path, trust_remote_code)
+        atomic_dir.publish(staging, path, "hf-export", "--save-hf")
+    _barrier()
+
+
+def save_adapter_export(
+    model: nn.Module, path: str, tokenizer_path: str | None, trust_remote_code: bool = False
+) -> None:
+    """`--save-hf` under `--lora-rank`: a PEFT adapter folder (and the tokenizer), atomically. A collective.
+
+    Raises:
+        FileExistsError: `path` exists and slime did not write it (checked before any work).
+    """
+    path = os.path.abspath(path)
+    atomic_dir.on_rank0(atomic_dir.check_replaceable, path, "--save-hf")
+    tensors = dict(lora.adapter_tensors(model))
+    if _rank() == 0:
+        staging = atomic_dir.create_staging(path, "hf-export", "--save-hf")
+        lora.save_adapter_folder(model, tensors, str(staging))
+        if tokenizer_path is not None:
+            load_tokenizer(tokenizer_path, trust_remote_code).save_pretrained(str(staging))
         atomic_dir.publish(staging, path, "hf-export", "--save-hf")
     _barrier()

@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 from slime.utils.engine_args import engine_api_key as engine_api_key  # importable here, as before
+from slime.utils.lora import lora_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ def build_sglang_server_args(
         "enable_memory_saver": bool(args.offload_rollout),
         "enable_return_routed_experts": bool(args.use_rollout_routing_replay),
         "trust_remote_code": bool(args.trust_remote_code),
+        **_lora_serving_options(args, every_linear="all"),
     }
     parser = sglang_cli_parser()
     return options_to_cli_args(slime_options) + options_to_cli_args(drop_parser_defaults(user_options, parser), parser)
@@ -180,6 +182,7 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     """
     ignored = _normalized_options(drop_parser_defaults(args.sglang_server_args or {}, sglang_cli_parser()))
     ignored.pop("api_key", None)
+    max_loras_per_batch = ignored.pop("max_loras_per_batch", None)
     if ignored:
         logger.warning("the CPU engine ignores these --sglang-* flags: %s", ", ".join(sorted(ignored)))
     return options_to_cli_args(
@@ -191,8 +194,26 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
             "max_queued_requests": args.cpu_engine_max_queued_requests,
             "num_threads": cpu_engine_num_threads(args),
             "trust_remote_code": bool(args.trust_remote_code),
+            **_lora_serving_options(args, every_linear="all-linear"),
+            "max_loras_per_batch": max_loras_per_batch,
         }
     )
+
+
+def _lora_serving_options(args: argparse.Namespace, every_linear: str) -> dict[str, Any]:
+    """SGLang's LoRA serving fields for `--lora-rank`: the engines serve the trained adapter beside the base.
+
+    Args:
+        every_linear: The engine's name for `--target-modules all-linear` (SGLang: "all"); leaf names pass as they are.
+    """
+    if not lora_enabled(args):
+        return {}
+    targets = list(getattr(args, "target_modules", None) or ["all-linear"])
+    return {
+        "enable_lora": True,
+        "max_lora_rank": args.lora_rank,
+        "lora_target_modules": [every_linear] if targets == ["all-linear"] else targets,
+    }
 
 
 def cpu_engine_num_threads(args: argparse.Namespace) -> int:

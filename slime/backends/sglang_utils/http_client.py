@@ -204,6 +204,39 @@ class EngineClient:
         """POST /resume_memory_occupation: re-allocate what `release_memory_occupation` freed."""
         return self._post("resume_memory_occupation", _present(tags=tags))
 
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Any:
+        """POST /update_weight_version: label the engine's live weights `new_version` (later meta_info.weight_version)."""
+        return self._post(
+            "update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        )
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> Any:
+        """POST /load_lora_adapter: load the PEFT adapter folder `lora_path` (on the engine's host) as `lora_name`.
+
+        Returns:
+            {"success", "error_message", "loaded_adapters": {name: path}}. A name already loaded is refused:
+            unload it first.
+        """
+        return self._post("load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    def load_lora_adapter_from_tensors(
+        self, lora_name: str, config_dict: dict[str, Any], serialized_tensors: str, load_format: str | None = None
+    ) -> Any:
+        """POST /load_lora_adapter_from_tensors: load an adapter sent in the request as `lora_name`.
+
+        Args:
+            lora_name: The name requests give in `lora_path`.
+            config_dict: The adapter's `adapter_config.json` contents.
+            serialized_tensors: `serialize_named_tensors` of its (PEFT saved name, tensor) pairs.
+            load_format: How `serialized_tensors` is packed; None for the server's default.
+        """
+        payload = {"lora_name": lora_name, "config_dict": config_dict, "serialized_tensors": serialized_tensors}
+        return self._post("load_lora_adapter_from_tensors", payload | _present(load_format=load_format))
+
+    def unload_lora_adapter(self, lora_name: str) -> Any:
+        """POST /unload_lora_adapter: drop the adapter `lora_name` (requests in flight that use it are aborted)."""
+        return self._post("unload_lora_adapter", {"lora_name": lora_name})
+
     def generate(self, payload: dict[str, Any]) -> Any:
         """POST /generate with SGLang's request body (input_ids or text, sampling_params, return_logprob, ...).
 

@@ -9,6 +9,7 @@ class per transport (`base.WeightTransport`: connect, stage, push, close):
 - `CudaIpcTransport` (`--colocate`, CUDA tensors or no memfd): CUDA IPC handles, one payload per engine TP rank.
 - `BroadcastTransport` (disaggregated): training rank 0 broadcasts over a group with every engine rank.
 - `DiskTransport` (`--update-weight-transport disk`): a HF folder under `--update-weight-disk-dir`.
+- `LoraAdapterTransport` (`--lora-rank`): only the adapter, by value, to SGLang's LoRA endpoints.
 
 `WeightUpdater` wraps any of them in the pause / flush / push / resume step, counts weight versions and
 compares the engines with the trainer (`--check-weight-update-equal`). The pure parts stay in slime.utils:
@@ -19,6 +20,7 @@ from slime.backends.weight_sync.base import WeightTransport, call_engine, call_e
 from slime.backends.weight_sync.broadcast import BroadcastTransport
 from slime.backends.weight_sync.cuda_ipc import CudaIpcTransport
 from slime.backends.weight_sync.disk import DiskTransport
+from slime.backends.weight_sync.lora_adapter import LoraAdapterTransport
 from slime.backends.weight_sync.shared_memory import SharedMemoryTransport
 from slime.backends.weight_sync.updater import (
     WeightUpdater,
@@ -31,6 +33,7 @@ __all__ = [
     "BroadcastTransport",
     "CudaIpcTransport",
     "DiskTransport",
+    "LoraAdapterTransport",
     "SharedMemoryTransport",
     "WeightTransport",
     "WeightUpdater",

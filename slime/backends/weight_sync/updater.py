@@ -14,17 +14,24 @@ from slime.backends.weight_sync.base import WeightTransport, call_engine, call_e
 from slime.backends.weight_sync.broadcast import BroadcastTransport
 from slime.backends.weight_sync.cuda_ipc import CudaIpcTransport
 from slime.backends.weight_sync.disk import DiskTransport
+from slime.backends.weight_sync.lora_adapter import LoraAdapterTransport
 from slime.backends.weight_sync.shared_memory import SharedMemoryTransport
 from slime.utils.engine_args import engine_api_key
 from slime.utils.weight_sync import Bucket, weight_check_tolerance
 from slime.utils.weight_transport import segment_tag, shared_memory_available
 
 
-def choose_transport(args: Namespace, device: torch.device, previous: WeightTransport | None = None) -> WeightTransport:
+def choose_transport(
+    args: Namespace,
+    device: torch.device,
+    previous: WeightTransport | None = None,
+    adapter_config: dict | None = None,
+) -> WeightTransport:
     """The transport for this trainer's engines, from its flags (call it once per connection).
 
     - `--colocate`: tensors on this host; through sealed shared-memory segments when the trainer's tensors are on CPU
       (`SharedMemoryTransport`), as CUDA IPC handles otherwise or where there is no memfd (`CudaIpcTransport`).
+    - `--lora-rank`: only the adapter, in the request body, whatever the layout (`LoraAdapterTransport`).
     - `--update-weight-transport disk`: a HF folder the engines load (`DiskTransport`).
     - otherwise: a broadcast from training rank 0 over a group with every engine rank (`BroadcastTransport`).
 
@@ -34,7 +41,10 @@ def choose_transport(args: Namespace, device: torch.device, previous: WeightTran
         device: The training device (where the buckets' tensors are).
         previous: The transport this rank used before (reconnecting to restarted engines): disk sync goes on
             deleting the folders pushed through it.
+        adapter_config: The trained LoRA adapter's PEFT config (`--lora-rank`), None when the full weights train.
     """
+    if adapter_config is not None:
+        return LoraAdapterTransport(adapter_config)
     gpus_per_engine = args.rollout_num_gpus_per_engine
     if args.colocate:
         if device.type != "cuda" and shared_memory_available():
@@ -161,8 +171,10 @@ class WeightUpdater:
         call_engines(self.engines, "continue_generation")
 
     def check(self, probe: list[int], trainer_log_probs: torch.Tensor) -> float:
-        """Largest gap between each engine's log-probs of `probe` and the trainer's (`check_engines_match`)."""
-        return check_engines_match(self.engines, probe, trainer_log_probs, self.version)
+        """Largest gap between each engine's log-probs of `probe` and the trainer's (`check_engines_match`), under
+        the adapter the transport pushes, if any."""
+        adapter = getattr(self.transport, "adapter", None)
+        return check_engines_match(self.engines, probe, trainer_log_probs, self.version, adapter)
 
     def close(self) -> None:
         """Close the transport; a later `push` needs a new `connect`."""
@@ -171,23 +183,25 @@ class WeightUpdater:
         self.engines, self.transport = [], None
 
 
-def engine_prompt_log_probs(engine: Any, input_ids: list[int]) -> list[float]:
-    """Log-probs the engine assigns to `input_ids[1:]` given their prefixes (temperature 1, no generation)."""
-    response = call_engine(
-        engine,
-        "generate",
-        payload={
-            "input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-        },
-    )
+def engine_prompt_log_probs(engine: Any, input_ids: list[int], lora_path: str | None = None) -> list[float]:
+    """Log-probs the engine assigns to `input_ids[1:]` given their prefixes (temperature 1, no generation), under
+    the loaded adapter `lora_path` if given."""
+    payload = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    if lora_path is not None:
+        payload["lora_path"] = lora_path
+    response = call_engine(engine, "generate", payload=payload)
     entries = response["meta_info"]["input_token_logprobs"]
     return [entry[0] for entry in entries[1:]]
 
 
-def check_engines_match(engines: list, probe: list[int], trainer_log_probs: torch.Tensor, weight_version: Any) -> float:
+def check_engines_match(
+    engines: list, probe: list[int], trainer_log_probs: torch.Tensor, weight_version: Any, lora_path: str | None = None
+) -> float:
     """Largest gap between each engine's log-probs of `probe` and the trainer's.
 
     Raises:
@@ -196,7 +210,7 @@ def check_engines_match(engines: list, probe: list[int], trainer_log_probs: torc
     tolerance = weight_check_tolerance()
     gap = 0.0
     for engine in engines:
-        engine_log_probs = torch.tensor(engine_prompt_log_probs(engine, probe), dtype=torch.float32)
+        engine_log_probs = torch.tensor(engine_prompt_log_probs(engine, probe, lora_path), dtype=torch.float32)
         gap = max(gap, float((engine_log_probs - trainer_log_probs).abs().max()))
     if gap > tolerance:
         raise RuntimeError(

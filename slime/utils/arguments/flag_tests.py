@@ -71,6 +71,17 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
         "test_flags_behaviour.py::test_freeze_and_only_train_params_keep_the_other_weights",
     ),
     "freeze_params_name_list": ("test_flags_behaviour.py::test_freeze_and_only_train_params_keep_the_other_weights",),
+    # ---- LoRA --------------------------------------------------------------------------------------------------
+    "lora_rank": (
+        "test_fsdp_lora.py::test_lora_steps_equal_peft_with_torch_adamw",
+        "test_fsdp_lora.py::test_reference_is_the_base_model_without_a_copy",
+    ),
+    "lora_alpha": ("test_fsdp_lora.py::test_lora_steps_equal_peft_with_torch_adamw",),
+    "lora_dropout": ("test_fsdp_lora.py::test_target_modules_exclude_modules_and_dropout_shape_the_adapter",),
+    "target_modules": ("test_fsdp_lora.py::test_target_modules_exclude_modules_and_dropout_shape_the_adapter",),
+    "exclude_modules": ("test_fsdp_lora.py::test_target_modules_exclude_modules_and_dropout_shape_the_adapter",),
+    "lora_adapter_path": ("test_fsdp_lora.py::test_checkpoint_holds_the_adapter_and_resumes_it",),
+    "check_lora_weight_equal": ("test_fsdp_lora.py::test_pushes_send_only_the_adapter_which_the_engine_serves",),
     "gradient_checkpointing": (
         "test_fsdp_backend.py::test_gradient_checkpointing_and_offload_round_trip_do_not_change_training",
     ),

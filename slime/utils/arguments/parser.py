@@ -15,6 +15,7 @@ from slime.utils.arguments.cluster import (
 )
 from slime.utils.arguments.config_file import _add_config_arguments
 from slime.utils.arguments.debug import _add_debug_arguments
+from slime.utils.arguments.lora import _add_lora_arguments
 from slime.utils.arguments.megatron import add_fsdp_megatron_arguments, add_megatron_subset_arguments
 from slime.utils.arguments.reporting import _add_ci_arguments, _add_logging_arguments
 from slime.utils.arguments.rollout import (
@@ -45,6 +46,7 @@ def add_slime_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _add_cluster_arguments(parser, cuda)
     _add_cpu_arguments(parser)
     _add_train_arguments(parser)
+    _add_lora_arguments(parser)
     _add_rollout_arguments(parser)
     _add_sglang_arguments(parser)
     _add_sampling_arguments(parser)

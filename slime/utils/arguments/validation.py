@@ -18,6 +18,7 @@ from slime.algorithms.policy_losses import loss_kind
 from slime.utils.arguments.algorithm import _estimator
 from slime.utils.arguments.checkpoint import _validate_output_folders
 from slime.utils.arguments.errors import _fail
+from slime.utils.arguments.lora import _validate_lora
 from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.utils.device import cuda_available
 from slime.utils.engine_args import engine_api_key
@@ -392,6 +393,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_agent(args)
     _validate_routing_replay(args)
     _validate_fully_async(args)
+    _validate_lora(args)
     return args
 
 

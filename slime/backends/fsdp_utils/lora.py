@@ -1,0 +1,102 @@
+"""LoRA on the FSDP trainer (`--lora-rank`): the actor becomes a peft model whose base is frozen.
+
+Only the adapter is trained, so the optimizer holds only its state; the reference model is the base itself (the
+adapter switched off, `reference_log_probs`), never a second copy; checkpoints keep the adapter (and its
+optimizer state) only, plus a PEFT folder of it; a weight update sends only the adapter (`adapter_tensors`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from argparse import Namespace
+from collections.abc import Iterator
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from slime.backends.fsdp_utils.model import reshard
+from slime.utils.lora import saved_adapter_name
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def apply_lora(model: nn.Module, args: Namespace) -> PeftModel:
+    """Wrap an unsharded HF causal LM with a trainable LoRA adapter: a new one from the flags, or
+    `--lora-adapter-path`'s.
+
+    Raises:
+        ValueError: the adapter folder's rank differs from `--lora-rank`, or a target matches no module.
+    """
+    path = args.lora_adapter_path
+    if path is not None:
+        with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+            saved_rank = json.load(f).get("r")
+        if saved_rank != args.lora_rank:
+            raise ValueError(
+                f"--lora-adapter-path {path} holds a rank-{saved_rank} adapter but --lora-rank is {args.lora_rank}; "
+                f"pass --lora-rank {saved_rank}"
+            )
+        return PeftModel.from_pretrained(model, path, is_trainable=True)
+    targets = args.target_modules
+    config = LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        exclude_modules=args.exclude_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # peft: "Target modules {...} not found in the base model"
+        raise ValueError(f"--target-modules {' '.join(targets)}: {error}") from None
+
+
+def adapter_config(model: PeftModel) -> dict:
+    """The adapter's `adapter_config.json` contents (targets resolved to leaf names), as peft saves them."""
+    config = model.peft_config["default"].to_dict()
+    targets = config["target_modules"]
+    if isinstance(targets, set | list | tuple):
+        # Leaf names (q_proj, ...) as SGLang's --lora-target-modules takes them, unless some modules of a leaf name
+        # were excluded and only full paths say which.
+        targets = sorted(targets) if config.get("exclude_modules") else sorted({t.rsplit(".", 1)[-1] for t in targets})
+        config["target_modules"] = targets
+    if isinstance(config.get("exclude_modules"), set):
+        config["exclude_modules"] = sorted(config["exclude_modules"])
+    return json.loads(json.dumps(config, default=str))
+
+
+def adapter_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the adapter's parameters in the live model (the trainable ones)."""
+    return [name for name, param in model.named_parameters() if param.requires_grad]
+
+
+def adapter_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT saved name, full adapter tensor), a collective over the FSDP group: every rank iterates to the end."""
+    reshard(model)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            yield saved_adapter_name(name), full.detach().to(dtype or full.dtype).contiguous()
+
+
+def save_adapter_folder(model: PeftModel, tensors: dict[str, torch.Tensor], path: str) -> None:
+    """Write a PEFT adapter folder (`peft.PeftModel.from_pretrained` loads it) from `adapter_tensors`' output."""
+    os.makedirs(path, exist_ok=True)
+    save_file(
+        {name: tensor.cpu().contiguous() for name, tensor in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS)
+    )
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(adapter_config(model), f, indent=2)
+
+
+def reference_log_probs(model: PeftModel, forward):
+    """`forward()` with the adapter switched off: the base model's outputs, the reference under LoRA."""
+    with model.disable_adapter():
+        return forward()

@@ -1,0 +1,32 @@
+"""What trainers, engines and rollouts agree on about the LoRA adapter being trained (`--lora-rank`).
+
+The engines serve the adapter under one name, `POLICY_ADAPTER`, which every rollout request names in `lora_path`
+(SGLang's field); each weight update replaces it. Tensors travel under PEFT's saved names
+(`base_model.model.<HF module>.lora_A.weight`), so an adapter folder saved by peft and one pushed by a trainer read
+the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+POLICY_ADAPTER = "slime-policy"
+
+
+def lora_enabled(args: argparse.Namespace) -> bool:
+    """Whether the actor trains a LoRA adapter (`--lora-rank` > 0)."""
+    return getattr(args, "lora_rank", 0) > 0
+
+
+def rollout_adapter(args: argparse.Namespace) -> str | None:
+    """The adapter rollout requests generate with (`lora_path`), None without LoRA (the base model)."""
+    return POLICY_ADAPTER if lora_enabled(args) else None
+
+
+def saved_adapter_name(parameter_name: str, adapter: str = "default") -> str:
+    """PEFT's name for a LoRA parameter in a saved adapter: the live name without the adapter's own segment.
+
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight` ->
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
+    """
+    return parameter_name.replace(f".{adapter}.", ".")

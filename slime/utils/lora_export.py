@@ -1,0 +1,63 @@
+"""Export a LoRA run's checkpoint (`--lora-rank`): its PEFT adapter folder, or the base with the adapter merged in.
+
+A checkpoint of an adapter run holds `iter_XXXXXXX/adapter/` (adapter_config.json + adapter_model.safetensors, no
+pickle). `tools/convert_to_hf.py` hands such checkpoints here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from slime.utils import atomic_dir, run_dir
+
+
+def checkpoint_adapter(load: str | Path, step: int | None = None) -> Path | None:
+    """The PEFT adapter folder of `load`'s checkpoint `step` (default: the committed one), None if it has none.
+
+    Raises:
+        ValueError: `load` has no committed step and none is given.
+    """
+    if step is None:
+        step = run_dir.committed_step(load)
+        if step is None:
+            raise ValueError(f"--load {load} has no {run_dir.tracker_file(load).name}; pass --ckpt-step")
+    adapter = run_dir.iteration_dir(load, step) / "adapter"
+    return adapter if (adapter / "adapter_config.json").is_file() else None
+
+
+def export_adapter(
+    adapter: str | Path, output_dir: str | Path, hf_checkpoint: str | Path, merge: bool, dtype: str | None = None
+) -> Path:
+    """Write `adapter` to `output_dir` as a PEFT folder (`peft.PeftModel.from_pretrained(base, output_dir)` loads it),
+    or with `merge` as a plain HF model: `--hf-checkpoint` with the adapter folded into its weights.
+
+    The folder is written beside `output_dir` and renamed into place; an existing `output_dir` is replaced only if
+    slime wrote it.
+
+    Args:
+        adapter: A PEFT adapter folder (`checkpoint_adapter`).
+        output_dir: Where the export goes.
+        hf_checkpoint: The base model the adapter was trained on (its config and tokenizer are copied).
+        merge: Fold the adapter into the base weights (`--merge-lora`).
+        dtype: Weight dtype of a merged export, e.g. "bfloat16" (default: float32).
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    output_dir = Path(output_dir).absolute()
+    atomic_dir.check_replaceable(output_dir, "--output-dir")
+    staging = atomic_dir.create_staging(output_dir, "hf-export", "--output-dir")
+    if merge:
+        base = AutoModelForCausalLM.from_pretrained(hf_checkpoint, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+        if dtype is not None:
+            merged = merged.to(getattr(torch, dtype))
+        merged.save_pretrained(staging, safe_serialization=True)
+    else:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copyfile(Path(adapter) / name, staging / name)
+    AutoTokenizer.from_pretrained(hf_checkpoint).save_pretrained(staging)
+    return atomic_dir.publish(staging, output_dir, "hf-export", "--output-dir")

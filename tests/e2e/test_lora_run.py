@@ -1,0 +1,36 @@
+"""A LoRA GRPO run of train.py on CPU (`--lora-rank`): the engines serve the adapter being trained.
+
+What rides on the one run: each push sends only the adapter and the engine's log-probs under it equal the trainer's
+(`--check-lora-weight-equal`, every push); the samples were generated under the weight version each push set; the
+checkpoint holds a PEFT adapter folder, which peft loads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from peft import PeftModel
+from support.runs import run_training, saved_samples, small_run_flags, write_addition_prompts
+from transformers import AutoModelForCausalLM
+
+
+def test_train_py_trains_a_lora_adapter_the_engines_serve(tiny_model_dir, tmp_path):
+    save = tmp_path / "run"
+    rows = run_training(
+        "train.py", save,
+        *small_run_flags(tiny_model_dir, write_addition_prompts(tmp_path / "prompts.jsonl"), save),
+        "--num-rollout", "2", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "5e-2",
+        "--use-kl-loss", "--kl-loss-coef", "0.1", "--check-lora-weight-equal", "--save-interval", "2",
+    )  # fmt: skip
+    assert len(rows) == 2
+    # The first push (version 1) came before rollout 0, the second after its step: each rollout ran on its version.
+    for rollout_id, version in ((0, "1"), (1, "2")):
+        samples = saved_samples(save, rollout_id)
+        assert samples and all(s.weight_versions == [version] for s in samples), [s.weight_versions for s in samples]
+    config = json.loads((save / "iter_0000001" / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, str(save / "iter_0000001" / "adapter"))
+    lora_b = [p for n, p in adapted.named_parameters() if ".lora_B." in n]
+    assert lora_b and max(p.abs().max().item() for p in lora_b) > 0  # trained: peft starts B at zero

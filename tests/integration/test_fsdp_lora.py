@@ -1,0 +1,274 @@
+"""LoRA on the FSDP trainer (`--lora-rank`), in-process on one CPU rank.
+
+The expected values come from an independent peft model of the same base given the same adapter values: its
+forward, backward and a torch AdamW step on the same samples. Also: the reference model is the base (the adapter
+switched off, no weight copy), and a checkpoint holds the adapter and its optimizer state only, plus a PEFT folder
+that peft loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, PeftModel, get_peft_model
+from support.engines import cpu_engine_process, engine_prompt_log_probs
+from support.fsdp import CAPTURE_HOOK, CAPTURED, make_args, make_rollout, new_actor, plain_response_log_probs
+from support.scripts import run_script
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForCausalLM
+
+from slime.backends.fsdp_utils import lora
+from slime.backends.sglang_utils.http_client import EngineClient
+from slime.utils.arguments import ArgumentValidationError
+from slime.utils.lora import POLICY_ADAPTER
+from slime.utils.weight_transport import deserialize_named_tensors
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "5e-2"]
+SFT = ["--loss-type", "sft_loss"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _destroy_process_group_after_module():
+    """The in-process trainers share one gloo default group; leave none behind for other test files."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def adapter_of(actor) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in lora.adapter_tensors(actor.model)}
+
+
+def peft_reference(model_dir, adapter: dict[str, torch.Tensor]) -> PeftModel:
+    """An independent peft model of the base with the given adapter values (PEFT saved names)."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", bias="none"))
+    live = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in adapter.items():
+            live[name.replace(".weight", ".default.weight")].copy_(value)
+    return model
+
+
+def sft_step(model: PeftModel, optimizer: torch.optim.Optimizer, data: dict, clip_grad: float) -> float:
+    """slime's default SFT loss by hand (the mean over samples of each sample's mean response-token NLL), its
+    gradient clipped to `clip_grad` (`--clip-grad`), one optimizer step."""
+    model.train()
+    losses = []
+    for tokens, response in zip(data["tokens"], data["response_lengths"]):
+        logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+        start = len(tokens) - response
+        log_probs = torch.log_softmax(logits[start - 1 : len(tokens) - 1], -1)
+        losses.append(-log_probs.gather(-1, torch.tensor(tokens[start:])[:, None]).mean())
+    loss = torch.stack(losses).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip_grad)
+    optimizer.step()
+    return loss.item()
+
+
+def test_lora_steps_equal_peft_with_torch_adamw(tiny_model_dir):
+    args = make_args(tiny_model_dir, *LORA, *SFT)
+    actor = new_actor(args)
+    trainable = [name for name, p in actor.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    optimized = {id(p) for group in actor.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in actor.model.parameters() if p.requires_grad}  # adapter state only
+    base_before = {n: p.detach().clone() for n, p in actor.model.named_parameters() if not p.requires_grad}
+
+    reference = peft_reference(tiny_model_dir, adapter_of(actor))
+    optimizer = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad],
+        lr=args.lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
+    for rollout_id in range(3):  # B starts at 0: the first step moves B only, the later ones A too
+        data = make_rollout(8, seed=rollout_id)
+        reported = actor.train(rollout_id, data)["train/loss"]
+        expected = sft_step(reference, optimizer, data, args.clip_grad)
+        assert reported == pytest.approx(expected, abs=1e-5)
+    ours = adapter_of(actor)
+    theirs = {lora.saved_adapter_name(n): p.detach() for n, p in reference.named_parameters() if p.requires_grad}
+    assert ours.keys() == theirs.keys()
+    worst = max((ours[name] - theirs[name]).abs().max().item() for name in ours)
+    assert worst < 1e-5, worst
+    assert min(ours[name].abs().max().item() for name in ours if ".lora_B." in name) > 0  # B trained
+    assert all(torch.equal(p, base_before[n]) for n, p in actor.model.named_parameters() if not p.requires_grad)
+
+
+def test_reference_is_the_base_model_without_a_copy(tiny_model_dir):
+    args = make_args(tiny_model_dir, *LORA, "--use-kl-loss", "--rollout-data-postprocess-path", CAPTURE_HOOK)
+    actor = new_actor(args, with_ref=True)
+    assert actor.ref_weights is None and actor.reference_is_base
+    actor.train(200, make_rollout(8, seed=1))
+    data = make_rollout(8, seed=2)
+    metrics = actor.train(201, data)
+    assert metrics["train/kl_loss"] > 0  # the trained adapter moved the policy off the base
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for tokens, response, ref in zip(data["tokens"], data["response_lengths"], CAPTURED[201]["ref_log_probs"]):
+        worst = max(worst, (ref - plain_response_log_probs(plain, tokens, response)).abs().max().item())
+    assert worst < 1e-5, worst
+    # ...and the adapter is on again for the policy's own log-probs.
+    assert not all(torch.equal(a, b) for a, b in zip(CAPTURED[201]["log_probs"], CAPTURED[201]["ref_log_probs"]))
+
+
+def test_checkpoint_holds_the_adapter_and_resumes_it(tiny_model_dir, tmp_path):
+    save = tmp_path / "ckpt"
+    actor = new_actor(make_args(tiny_model_dir, *LORA, "--save", str(save)))
+    actor.train(0, make_rollout(8, seed=4))
+    actor.train(1, make_rollout(8, seed=5))
+    actor.save_model(1)
+    folder = save / "iter_0000001"
+    stored = FileSystemReader(str(folder / "model")).read_metadata().state_dict_metadata
+    assert stored and all(".lora_A." in key or ".lora_B." in key for key in stored)  # no base weight
+    trained = adapter_of(actor)
+
+    # The PEFT folder loads in peft and computes what the trainer computes.
+    config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and "q_proj" in config["target_modules"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, str(folder / "adapter")).eval()
+    tokens = make_rollout(1, seed=9)["tokens"][0]
+    with torch.no_grad():
+        ours = actor.model(input_ids=torch.tensor([tokens]), use_cache=False).logits
+        theirs = loaded(input_ids=torch.tensor([tokens]), use_cache=False).logits
+    assert (ours - theirs).abs().max().item() < 1e-5
+
+    # tools/convert_to_hf.py exports the adapter as a PEFT folder, or merged into the base.
+    for merge in ([], ["--merge-lora"]):
+        out = tmp_path / f"export{len(merge)}"
+        flags = ["--load", str(save), "--hf-checkpoint", str(tiny_model_dir), "--output-dir", str(out), *merge]
+        result = run_script("tools/convert_to_hf.py", *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        exported = (
+            AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+            if merge
+            else PeftModel.from_pretrained(base, out)
+        )
+        with torch.no_grad():
+            theirs = exported.eval()(input_ids=torch.tensor([tokens]), use_cache=False).logits
+        assert (ours - theirs).abs().max().item() < 1e-5
+        assert (out / "tokenizer_config.json").is_file() and (out / "adapter_config.json").is_file() != bool(merge)
+
+    # --load restores adapter and optimizer: the next step equals the uninterrupted run's.
+    resumed = new_actor(make_args(tiny_model_dir, *LORA, "--load", str(save)))
+    assert all(torch.equal(trained[name], value) for name, value in adapter_of(resumed).items())
+    data = make_rollout(8, seed=6)
+    assert resumed.train(2, data)["train/loss"] == actor.train(2, data)["train/loss"]
+    ours, theirs = adapter_of(resumed), adapter_of(actor)
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+    # --lora-adapter-path warm-starts a new run from the PEFT folder.
+    warm = new_actor(make_args(tiny_model_dir, *LORA, "--lora-adapter-path", str(folder / "adapter")))
+    assert all(torch.equal(trained[name], value) for name, value in adapter_of(warm).items())
+    assert os.path.getsize(folder / "adapter" / "adapter_model.safetensors") < 200_000
+
+
+def test_target_modules_exclude_modules_and_dropout_shape_the_adapter(tiny_model_dir):
+    flags = ["--target-modules", "q_proj", "v_proj", "--exclude-modules", "v_proj", "--lora-dropout", "0.5"]
+    actor = new_actor(make_args(tiny_model_dir, *LORA, *flags))
+    adapted = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapter_of(actor)}
+    assert adapted == {"q_proj"}  # v_proj targeted, then excluded
+    config = lora.adapter_config(actor.model)
+    assert config["target_modules"] == ["q_proj", "v_proj"] and config["exclude_modules"] == ["v_proj"]
+    # Dropout acts on the adapter's input in training only: B must be non-zero for it to show.
+    with torch.no_grad():
+        for name, param in actor.model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_()
+    tokens = torch.tensor([make_rollout(1, seed=3)["tokens"][0]])
+
+    def logits():
+        with torch.no_grad():
+            return actor.model(input_ids=tokens, use_cache=False).logits
+
+    actor.model.train()
+    assert not torch.equal(logits(), logits())
+    actor.model.eval()
+    assert torch.equal(logits(), logits())
+
+
+class RecordingClient(EngineClient):
+    """A real engine client that also keeps what each adapter load carried, and counts adapter probes."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.adapters: list[dict] = []
+
+        self.adapter_probes = 0  # scoring requests under the policy's adapter
+
+    def load_lora_adapter_from_tensors(self, **body):
+        self.adapters.append(body)
+        return super().load_lora_adapter_from_tensors(**body)
+
+    def generate(self, payload: dict):
+        self.adapter_probes += (
+            payload.get("lora_path") == POLICY_ADAPTER and payload["sampling_params"].get("max_new_tokens") == 0
+        )
+        return super().generate(payload)
+
+
+def test_pushes_send_only_the_adapter_which_the_engine_serves(tiny_model_dir):
+    probe = make_rollout(1, seed=11)["tokens"][0]
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    base = plain_response_log_probs(plain, probe, len(probe) - 1)
+    with cpu_engine_process(tiny_model_dir, "--enable-lora", "--max-lora-rank", "4") as (client, url):
+        actor = new_actor(make_args(tiny_model_dir, *LORA, *SFT, "--check-lora-weight-equal"))
+        client = RecordingClient(url)
+        actor.connect_rollout_engines([client], [url])
+        for version in (1, 2):
+            actor.train(version, make_rollout(8, seed=version))
+            client.adapter_probes = 0
+            actor.update_weights()  # --check-lora-weight-equal: raises past the tolerance
+            assert client.adapter_probes == 1  # the trainer probed the adapter after this push
+            assert client.get_model_info()["weight_version"] == str(version)
+            with torch.no_grad():
+                logits = actor.model(input_ids=torch.tensor([probe]), use_cache=False).logits[0, :-1]
+            trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(probe[1:])[:, None])[:, 0]
+            served = engine_prompt_log_probs(client, probe, lora_path=POLICY_ADAPTER)
+            assert (served - trainer).abs().max().item() < 1e-4
+            assert (served - base).abs().max().item() > 1e-3  # the adapter changes what the engine computes
+            assert (engine_prompt_log_probs(client, probe) - base).abs().max().item() < 1e-5  # the base is untouched
+        # Each push carried the adapter's tensors only (PEFT names), no base weight.
+        assert len(client.adapters) == 2
+        pushed = deserialize_named_tensors(client.adapters[-1]["serialized_tensors"])
+        assert {name for name, _ in pushed} == set(adapter_of(actor))
+        assert client.adapters[-1]["config_dict"]["r"] == 4 and client.adapters[-1]["lora_name"] == POLICY_ADAPTER
+
+        # An adapter the engine computes differently (here: a config that doubles the scaling) fails the check.
+        actor.weight_updater.transport.config["lora_alpha"] = 16
+        actor.train(3, make_rollout(8, seed=3))
+        with pytest.raises(RuntimeError, match="engine weights differ from the trainer's after update 3"):
+            actor.update_weights()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lora-alpha", "8"], None),  # alpha alone is harmless: it has a default
+        (["--lora-dropout", "0.1"], "add --lora-rank"),
+        (["--lora-rank", "-1"], "must be a positive rank"),
+        (["--lora-rank", "4", "--lora-dropout", "1.5"], "must be in [0, 1)"),
+        (["--lora-rank", "4", "--target-modules", "all-linear", "q_proj"], "all-linear stands alone"),
+        (["--lora-rank", "4", "--lora-adapter-path", "/nonexistent"], "is not a PEFT adapter folder"),
+        (["--lora-rank", "4", "--use-kl-loss", "--ref-load", "/x"], "the reference model is the base model"),
+        (["--lora-rank", "4", "--lora-train-only"], "not implemented"),
+        (["--lora-rank", "4", "--multi-lora-n-adapters", "2"], "not implemented yet"),
+    ],
+)
+def test_lora_flags_are_checked(tiny_model_dir, flags, message):
+    if message is None:
+        make_args(tiny_model_dir, *flags)
+        return
+    with pytest.raises(ArgumentValidationError, match=re.escape(message)):
+        make_args(tiny_model_dir, *flags)
