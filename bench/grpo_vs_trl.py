@@ -2,6 +2,7 @@
 
     pip install trl==1.16.0                      # bench-only dependency
     python bench/grpo_vs_trl.py --model models/SmolLM2-135M-Instruct --steps 6
+    python bench/grpo_vs_trl.py --lora 16      # slime-LoRA vs TRL-LoRA (same peft config) vs TRL full
 
 Config on both sides: 8 prompts x 4 samples per step, 32 new tokens, temperature 1, lr 1e-5,
 beta 0 (no KL), one optimizer step per rollout, one torch thread per process (slime's engine
@@ -10,6 +11,10 @@ subprocess, one after the other; peak RSS is the largest sum over that subproces
 descendants (Ray's own daemons included for slime), sampled every 0.2 s, both as summed RSS (which
 counts shared library pages once per process) and as summed PSS (shared pages split, the real
 footprint; see `PeakMemory`). Seconds per step are the mean of steps 2..N (step 1 includes warm-up).
+
+With `--lora R` both sides train a rank-R adapter (alpha 2R, every linear layer, lr 1e-4) instead of the full
+weights: slime with `--lora-rank`, TRL's GRPOTrainer with the same `peft_config`; TRL's full fine-tune runs too, as
+the memory baseline an adapter should undercut.
 """
 
 from __future__ import annotations
@@ -80,8 +85,14 @@ def mean_after_first(times: list[float]) -> float:
     return sum(later) / len(later)
 
 
-def bench_slime(model: str, data: Path, steps: int, workdir: Path, max_tokens: int) -> tuple[float, PeakMemory]:
-    save_dir = workdir / "slime"
+def lora_flags(rank: int) -> list[str]:
+    return ["--lora-rank", str(rank), "--lora-alpha", str(2 * rank), "--target-modules", "all-linear", "--lr", "1e-4"]
+
+
+def bench_slime(
+    model: str, data: Path, steps: int, workdir: Path, max_tokens: int, lora_rank: int = 0
+) -> tuple[float, PeakMemory]:
+    save_dir = workdir / f"slime-lora{lora_rank}"
     command = [
         sys.executable, "train.py",
         "--hf-checkpoint", model,
@@ -93,6 +104,7 @@ def bench_slime(model: str, data: Path, steps: int, workdir: Path, max_tokens: i
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tokens),  # micro-batches by token budget
         "--train-num-threads", "1", "--cpu-engine-num-threads", "1",
         "--save", str(save_dir),
+        *(lora_flags(lora_rank) if lora_rank else []),
     ]  # fmt: skip
     code, peak = run_and_measure(command, dict(os.environ))
     if code != 0:
@@ -111,7 +123,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from slime.rollout.rm_hub.last_number import compute_last_number_reward
 
-model, data, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+model, data, steps, out, lora_rank = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 dataset = load_dataset("json", data_files=data, split="train")
 dataset = dataset.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]})
 
@@ -128,21 +140,28 @@ class StepTimer(TrainerCallback):
 
 config = GRPOConfig(
     output_dir=out, per_device_train_batch_size=32, num_generations=4, max_completion_length=32,
-    temperature=1.0, learning_rate=1e-5, beta=0.0, max_steps=steps, logging_steps=1, report_to=[],
+    temperature=1.0, learning_rate=1e-4 if lora_rank else 1e-5, beta=0.0, max_steps=steps, logging_steps=1, report_to=[],
     use_cpu=True, bf16=False, save_strategy="no", num_iterations=1, gradient_accumulation_steps=1,
 )
 timer = StepTimer()
-trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[timer])
+peft_config = None
+if lora_rank:
+    from peft import LoraConfig
+    peft_config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear", task_type="CAUSAL_LM")
+trainer = GRPOTrainer(
+    model=model, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[timer], peft_config=peft_config
+)
 trainer.train()
 json.dump(timer.times, open(out + "/step_times.json", "w"))
 """
 
 
-def bench_trl(model: str, data: Path, steps: int, workdir: Path) -> tuple[float, PeakMemory]:
-    out = workdir / "trl"
+def bench_trl(model: str, data: Path, steps: int, workdir: Path, lora_rank: int = 0) -> tuple[float, PeakMemory]:
+    out = workdir / f"trl-lora{lora_rank}"
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    code, peak = run_and_measure([sys.executable, "-c", TRL_SCRIPT, model, str(data), str(steps), str(out)], env)
+    command = [sys.executable, "-c", TRL_SCRIPT, model, str(data), str(steps), str(out), str(lora_rank)]
+    code, peak = run_and_measure(command, env)
     if code != 0:
         raise SystemExit(f"TRL run failed with exit code {code}")
     return mean_after_first(json.loads((out / "step_times.json").read_text())), peak
@@ -154,19 +173,28 @@ def main() -> None:
     parser.add_argument("--data", default="data/addition/train.jsonl", help="from tools/make_addition_dataset.py")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-tokens-per-gpu", type=int, default=512, help="slime's micro-batch token budget")
+    parser.add_argument("--lora", type=int, default=0, metavar="R", help="train rank-R LoRA adapters on both sides")
     args = parser.parse_args()
     model = str(Path(args.model).resolve())
     data = Path(args.data).resolve()
+    rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        slime_step, slime_peak = bench_slime(model, data, args.steps, Path(tmp), args.max_tokens_per_gpu)
-        trl_step, trl_peak = bench_trl(model, data, args.steps, Path(tmp))
-    print(f"{'':8} {'s/step':>8} {'peak RSS GiB':>13} {'peak PSS GiB':>13}")
-    print(f"{'slime':8} {slime_step:8.1f} {slime_peak.rss:13.2f} {slime_peak.pss:13.2f}")
-    print(f"{'TRL':8} {trl_step:8.1f} {trl_peak.rss:13.2f} {trl_peak.pss:13.2f}")
+        rows["slime"] = bench_slime(model, data, args.steps, Path(tmp), args.max_tokens_per_gpu, args.lora)
+        rows["TRL"] = bench_trl(model, data, args.steps, Path(tmp), args.lora)
+        if args.lora:
+            rows["TRL full"] = bench_trl(model, data, args.steps, Path(tmp))
+    title = f"   (LoRA rank {args.lora})" if args.lora else ""
+    print(f"{'':10} {'s/step':>8} {'peak RSS GiB':>13} {'peak PSS GiB':>13}{title}")
+    for name, (step, peak) in rows.items():
+        print(f"{name:10} {step:8.1f} {peak.rss:13.2f} {peak.pss:13.2f}")
+    (slime_step, slime_peak), (trl_step, trl_peak) = rows["slime"], rows["TRL"]
     print(
         f"speed ratio slime/TRL (steps/s): {trl_step / slime_step:.2f}x   memory ratio slime/TRL: "
         f"{slime_peak.rss / trl_peak.rss:.2f} (RSS), {slime_peak.pss / trl_peak.pss:.2f} (PSS)"
     )
+    if args.lora:
+        full = rows["TRL full"][1]
+        print(f"slime-LoRA PSS / TRL full fine-tune PSS: {slime_peak.pss / full.pss:.2f}")
 
 
 if __name__ == "__main__":

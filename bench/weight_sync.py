@@ -12,7 +12,9 @@ This process plays training rank 0 (world size 1, gloo) holding the HF model; on
 - tensor: two named shared-memory segments the trainer reuses every push, `/update_weights_from_tensor`
   (colocated engines, same host); the warm-up push creates and maps them, the timed ones only copy;
 - broadcast: a gloo group with the engine, `/update_weights_from_distributed`;
-- disk: HF safetensors shards under `--disk-dir`, `/update_weights_from_disk` (previous push deleted).
+- disk: HF safetensors shards under `--disk-dir`, `/update_weights_from_disk` (previous push deleted);
+- adapter: `--lora-rank 16` on every linear layer: only the LoRA adapter, by value, to
+  `/load_lora_adapter_from_tensors` (any layout), the engine serving it beside the base it loaded.
 
 Before each push the weights get a little noise, and afterwards the engine's probe log-probs must equal this
 process's (the gap is printed). Timings are the best of `--repeats` pushes after one warm-up push.
@@ -32,19 +34,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from slime.backends.fsdp_utils import lora
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.weight_sync import WeightUpdater, choose_transport, engine_prompt_log_probs
 from slime.utils.http_utils import find_free_port, wait_until_healthy
+from slime.utils.lora import POLICY_ADAPTER
 from slime.utils.weight_sync import bucket_named_tensors, probe_tokens
 
 REPO = Path(__file__).resolve().parents[1]
+LORA_RANK = 16
 
 
 def start_engine(model: str) -> tuple[subprocess.Popen, str]:
     port = find_free_port()
     command = [sys.executable, "-m", "slime.backends.cpu_engine", "--model-path", model, "--port", str(port)]
+    command += ["--enable-lora", "--max-lora-rank", str(LORA_RANK)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([*command, "--num-threads", "1"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -52,29 +59,47 @@ def start_engine(model: str) -> tuple[subprocess.Popen, str]:
     return process, url
 
 
-def probe_gap(model: torch.nn.Module, client: EngineClient, probe: list[int]) -> float:
+def probe_gap(model: torch.nn.Module, client: EngineClient, probe: list[int], lora_path: str | None) -> float:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([probe]), use_cache=False).logits[0, :-1]
     mine = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
-    return float((torch.tensor(engine_prompt_log_probs(client, probe)) - mine).abs().max())
+    return float((torch.tensor(engine_prompt_log_probs(client, probe, lora_path)) - mine).abs().max())
 
 
 def time_pushes(
-    model, client, updater: WeightUpdater, buffer_size: int, repeats: int, probe: list[int]
-) -> tuple[float, float]:
-    """Best seconds of `repeats` pushes (after a warm-up) and the largest probe gap after any of them."""
+    model, client, updater: WeightUpdater, buffer_size: int, repeats: int, probe: list[int], adapter: bool = False
+) -> tuple[float, float, int]:
+    """Best seconds of `repeats` pushes (after a warm-up), the largest probe gap after any of them, and the bytes
+    a push moves. `adapter`: `model` is a peft model and only its adapter is pushed."""
     best, gap = float("inf"), 0.0
     for attempt in range(repeats + 1):
         with torch.no_grad():  # new weights every push, so a push that did nothing shows as a gap
             for param in model.parameters():
-                param.add_(torch.randn_like(param), alpha=1e-3)
-        buckets = bucket_named_tensors(((n, p.detach()) for n, p in model.named_parameters()), buffer_size)
+                if param.requires_grad or not adapter:
+                    param.add_(torch.randn_like(param), alpha=1e-3)
+        if adapter:
+            named = list(lora.adapter_tensors(model))
+        else:
+            named = [(n, p.detach()) for n, p in model.named_parameters()]
+        moved = sum(t.numel() * t.element_size() for _, t in named)
+        buckets = bucket_named_tensors(named, buffer_size)
         start = time.perf_counter()
         updater.push(buckets)
         seconds = time.perf_counter() - start
         best = min(best, seconds) if attempt else best  # attempt 0 warms up
-        gap = max(gap, probe_gap(model, client, probe))
-    return best, gap
+        gap = max(gap, probe_gap(model, client, probe, POLICY_ADAPTER if adapter else None))
+    return best, gap, moved
+
+
+def lora_model(model_dir: str) -> torch.nn.Module:
+    """The base with a rank-`LORA_RANK` adapter on every linear layer, B random (peft starts it at zero)."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = get_peft_model(base, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(std=0.01)
+    return model.eval()
 
 
 def main() -> None:
@@ -83,7 +108,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--buffer-size", type=int, default=512 * 1024**2, help="--update-weight-buffer-size")
     parser.add_argument("--disk-dir", default=None, help="--update-weight-disk-dir (default: a temporary folder)")
-    parser.add_argument("--transports", nargs="+", default=["tensor", "broadcast", "disk"])
+    parser.add_argument("--transports", nargs="+", default=["tensor", "broadcast", "disk", "adapter"])
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -117,16 +142,21 @@ def main() -> None:
                     update_weight_disk_keep_files=False,
                     hf_checkpoint=model_dir,
                 )
+                adapter = transport == "adapter"
+                pushed = lora_model(model_dir) if adapter else model
+                config = lora.adapter_config(pushed) if adapter else None
                 updater = WeightUpdater(rank=0)
-                updater.connect(choose_transport(options, torch.device("cpu")), [client], [url])
-                seconds, gap = time_pushes(model, client, updater, args.buffer_size, args.repeats, probe)
+                updater.connect(choose_transport(options, torch.device("cpu"), adapter_config=config), [client], [url])
+                seconds, gap, moved = time_pushes(
+                    pushed, client, updater, args.buffer_size, args.repeats, probe, adapter
+                )
                 updater.close()
-                note = ""
+                note = f"rank-{LORA_RANK} adapter on every linear layer" if adapter else ""
                 if transport == "disk":
                     (folder,) = [p for p in Path(disk_dir).iterdir() if p.name.startswith("weights-v")]
                     on_disk = sum(f.stat().st_size for f in folder.iterdir())
                     note = f"{on_disk / 1e6:.0f} MB folder written, then read by the engine"
-                rows.append((transport, seconds, nbytes, gap, note))
+                rows.append((transport, seconds, moved, gap, note))
     finally:
         process.terminate()
         process.wait(timeout=30)

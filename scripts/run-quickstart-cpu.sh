@@ -12,7 +12,9 @@ python3 tools/make_addition_dataset.py --output-dir data/addition --num-train 20
 MODEL=models/SmolLM2-135M-Instruct
 # Rerunning the script resumes the run in $OUT from its last checkpoint (train.py refuses to start over
 # on a folder that holds a run); `OUT=outputs/another-name bash scripts/run-quickstart-cpu.sh` starts afresh.
-OUT=${OUT:-outputs/quickstart-grpo}
+# LORA=1 trains a rank-16 LoRA adapter on every linear layer instead of the full weights (examples/lora/).
+LORA=${LORA:-0}
+OUT=${OUT:-outputs/quickstart-grpo$([ "$LORA" = 1 ] && echo -lora)}
 RESUME=()
 if [ -d "$OUT" ]; then
     echo "resuming the run in $OUT (set OUT=<new folder> to start a new one)"
@@ -33,5 +35,9 @@ ARGS=(
     --save "$OUT" --save-interval 10
     --train-num-threads 2 --cpu-engine-num-threads 1
 )
+if [ "$LORA" = 1 ]; then
+    # An adapter needs a larger step than the full weights: 10x the learning rate.
+    ARGS+=(--lora-rank 16 --lora-alpha 32 --target-modules all-linear --lr 2e-4 --min-lr 2e-5)
+fi
 python3 train.py "${ARGS[@]}" "${RESUME[@]}" "$@"
 python3 tools/plot_metrics.py "$OUT/metrics.jsonl" --output "$OUT/curves.png"

@@ -94,7 +94,7 @@ class _NamedTensorPickler(ForkingPickler):
         return NotImplemented
 
 
-def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]], as_dict: bool = False) -> str:
     """Base64 pickle of (name, tensor) pairs for an engine on this host.
 
     CUDA tensors are sent as IPC handles of their storage (the receiver maps them; no copy); CPU tensors
@@ -103,12 +103,15 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
 
     Args:
         named_tensors: (HF parameter name, tensor) pairs.
+        as_dict: Pickle a {name: tensor} dict, the form SGLang's `/load_lora_adapter_from_tensors` reads.
 
     Returns:
-        One element of `serialized_named_tensors` for `/update_weights_from_tensor`.
+        One element of `serialized_named_tensors` for `/update_weights_from_tensor` (or, `as_dict`,
+        `serialized_tensors` for `/load_lora_adapter_from_tensors`).
     """
     buffer = io.BytesIO()
-    _NamedTensorPickler(buffer, pickle.HIGHEST_PROTOCOL).dump([(name, tensor) for name, tensor in named_tensors])
+    payload = dict(named_tensors) if as_dict else [(name, tensor) for name, tensor in named_tensors]
+    _NamedTensorPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(payload)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -179,11 +182,11 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
         payload: One element of `serialized_named_tensors`.
 
     Returns:
-        The (name, tensor) pairs.
+        The (name, tensor) pairs (of a `serialize_named_tensors(..., as_dict=True)` dict too).
 
     Raises:
         ValueError: The payload is not base64, names a global outside the allow-list, is not a valid
-            pickle, or does not hold a list of (name, tensor) pairs.
+            pickle, or does not hold a list of (name, tensor) pairs or a {name: tensor} dict.
     """
     try:
         raw = base64.b64decode(payload, validate=True)
@@ -196,6 +199,8 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
             raise
         except Exception as error:  # truncated or hand-made pickles fail in many ways
             raise ValueError(f"the payload is not a serialize_named_tensors pickle: {error!r}") from None
+    if isinstance(named_tensors, dict):
+        named_tensors = list(named_tensors.items())
     if not isinstance(named_tensors, list) or not all(
         isinstance(item, tuple | list)
         and len(item) == 2

@@ -34,7 +34,7 @@ class LoraAdapterTransport(WeightTransport):
         tensors = [(name, tensor.cpu()) for bucket in buckets for name, tensor in bucket]  # every rank: a collective
         if self.rank != 0:
             return
-        payload = serialize_named_tensors(tensors)
+        payload = serialize_named_tensors(tensors, as_dict=True)  # the {name: tensor} dict SGLang reads
 
         def replace(engine) -> None:
             # Not loaded yet on a new (or restarted) engine: the unload is refused and the load goes on.
