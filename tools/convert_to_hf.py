@@ -31,7 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ckpt-step", type=int, default=None, help="Iteration to export (default: the latest).")
     parser.add_argument("--model-name", default=None, help="Model family (default: the config's model_type).")
-    parser.add_argument("--dtype", default=None, help="Weight dtype, e.g. bfloat16 (default: the HF config's).")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="Weight dtype, e.g. bfloat16 (default: the HF config's; float32 for --merge-lora).",
+    )
     parser.add_argument(
         "--merge-lora",
         action="store_true",

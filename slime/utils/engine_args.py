@@ -64,6 +64,8 @@ def engine_failover_window(args: argparse.Namespace) -> float:
 # Engine processes get their key from this environment variable, not their command line: /proc/<pid>/cmdline is
 # readable by every local user, /proc/<pid>/environ only by the job's own.
 ENGINE_API_KEY_ENV = "SLIME_ENGINE_API_KEY"
+# Largest control request body (weight pickles, LoRA adapters) the CPU engine reads; generate requests have less.
+CPU_ENGINE_CONTROL_MAX_BODY_BYTES = 64 * 2**20
 
 
 def engine_api_key(args: argparse.Namespace) -> str | None:

@@ -166,9 +166,24 @@ class _VettingUnpickler(pickle.Unpickler):
 
 
 class _TensorUnpickler(pickle.Unpickler):
+    """Builds the tensors, at most `budget` bytes of them by value: a pickle can name one bytes object for many
+    tensors, and each would be a copy of its own (a small payload growing into all of memory)."""
+
+    def __init__(self, file, budget: int):
+        super().__init__(file)
+        self.budget = budget
+
     def find_class(self, module: str, name: str):
         _check_global(module, name)  # exact (module, name) pairs: no dotted names such as "UntypedStorage.from_file"
+        if (module, name) == (__name__, "_tensor_from_bytes"):
+            return self._tensor_within_budget
         return super().find_class(module, name)
+
+    def _tensor_within_budget(self, data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+        self.budget -= len(data) if isinstance(data, bytes) else 0
+        if self.budget < 0:
+            raise ValueError("the payload's tensors hold more bytes than the payload itself (a bytes object reused)")
+        return _tensor_from_bytes(data, dtype, shape)
 
 
 def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
@@ -192,9 +207,9 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as error:
         raise ValueError(f"the payload is not base64: {error}") from None
-    for unpickler in (_VettingUnpickler, _TensorUnpickler):
+    for unpickler in (_VettingUnpickler(io.BytesIO(raw)), _TensorUnpickler(io.BytesIO(raw), budget=len(raw))):
         try:
-            named_tensors = unpickler(io.BytesIO(raw)).load()
+            named_tensors = unpickler.load()
         except ValueError:
             raise
         except Exception as error:  # truncated or hand-made pickles fail in many ways

@@ -460,3 +460,53 @@ def test_unload_aborts_the_requests_that_use_it(server, adapters):
     assert_refused(generate(server, {"input_ids": PROMPT, "lora_path": "doomed"}), "'doomed' is not a loaded adapter")
     with pytest.raises(HTTPRequestError, match="no adapter named 'doomed'"):
         client.unload_lora_adapter("doomed")
+
+
+@pytest.mark.reliability(
+    "a request naming an adapter that a weight push is replacing (unloaded while generation is paused)",
+    "it waits in the queue and runs under the new adapter once generation continues; if none was loaded again, it "
+    "gets HTTP 400 naming the adapter, and the engine serves on",
+)
+def test_a_paused_engine_queues_requests_for_an_adapter_being_replaced(server, adapters, models):
+    client = EngineClient(server)
+    client.load_lora_adapter("policy", str(adapters["a1"]))
+    state = lambda: requests.get(f"{server}/get_server_info", timeout=10).json()["internal_states"][0]  # noqa: E731
+    client.pause_generation("abort")
+    client.unload_lora_adapter("policy")  # the push's first half: the name is gone for a while
+    score = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_logprob": True}
+    replaced, replaced_result = _in_thread(
+        generate_ok, server, {**score, "lora_path": "policy", "logprob_start_len": 0}
+    )
+    never, never_result = _in_thread(generate, server, {**score, "lora_path": "never-loaded"})
+    _wait_for(lambda: state()["num_waiting_reqs"] == 2)
+    client.load_lora_adapter("policy", str(adapters["a2"]))  # the push's second half: the new adapter
+    client.continue_generation()
+    for thread in (replaced, never):
+        thread.join(60)
+    [row], [ended] = replaced_result, never_result
+    assert_matches(row, PROMPT, models["a2"])  # generated under the adapter loaded after it was queued
+    assert_refused(ended, "'never-loaded' is not a loaded adapter")
+    assert_refused(generate(server, {**score, "lora_path": "never-loaded"}), "is not a loaded adapter")  # not paused
+    client.unload_lora_adapter("policy")
+
+
+@pytest.mark.reliability(
+    "an adapter file far larger than any adapter of the model could be, or more adapters than --max-loaded-loras",
+    "refused (HTTP 400) before the file is read, or before the adapter is held; unload one first",
+)
+def test_adapter_files_and_counts_are_bounded(tiny_model_dir, adapters, tmp_path):
+    from slime.backends.cpu_engine import lora
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    store = lora.LoraStore(model, max_rank=MAX_RANK, max_loaded=1)
+    cap = store.max_adapter_bytes()
+    config, tensors = lora.read_adapter_folder(adapters["a1"], cap)  # a real adapter fits
+    huge = tmp_path / "huge"
+    shutil.copytree(adapters["a1"], huge)
+    with open(huge / WEIGHTS, "ab") as weights:
+        weights.truncate(cap + 1)  # sparse: nothing of it is written, and none of it may be read
+    with pytest.raises(ValueError, match=f"larger than the {cap} bytes it may hold"):
+        lora.read_adapter_folder(huge, cap)
+    store.add(store.build("first", "a1", config, tensors))
+    with pytest.raises(ValueError, match="already holds 1 adapters \\(--max-loaded-loras 1\\); unload one first"):
+        store.check_free("second")

@@ -457,3 +457,28 @@ def test_update_weights_from_distributed_over_gloo(engine, tiny_model_dir):
         engine.destroy_weights_update_group(group_name)
     engine.update_weights_from_disk(str(tiny_model_dir), weight_version="original")
     _assert_not_uniform(_generate(engine, [11, 12]), model.config.vocab_size)
+
+
+def test_lora_rank_turns_on_lora_serving_in_both_engines_command_lines():
+    from slime.backends.cpu_engine.server import parse_args
+
+    def sglang_cli(args) -> list[str]:
+        return build_sglang_server_args(args, model_path="/m", host="h", port=1, tp_size=1, base_gpu_id=0, nccl_port=2)
+
+    args = slime_flags(lora_rank=8, target_modules=["all-linear"], sglang_server_args={"max_loras_per_batch": 2})
+    sglang = sglang_cli(args)
+    assert "--enable-lora" in sglang and sglang[sglang.index("--max-lora-rank") + 1] == "8"
+    assert sglang[sglang.index("--lora-target-modules") + 1] == "all"  # SGLang's name for every linear layer
+    served = parse_args(build_cpu_engine_args(args, model_path="/m", host="127.0.0.1", port=5))
+    assert (served.enable_lora, served.max_lora_rank, served.max_loras_per_batch) == (True, 8, 2)
+    assert served.lora_target_modules == ["all-linear"]
+    leaf = slime_flags(lora_rank=4, target_modules=["q_proj", "v_proj"])
+    served = parse_args(build_cpu_engine_args(leaf, model_path="/m", host="127.0.0.1", port=5))
+    assert served.lora_target_modules == ["q_proj", "v_proj"]
+    # Without --lora-rank no LoRA field reaches the CPU engine (max_loras_per_batch is ignored with a warning).
+    plain = slime_flags(sglang_server_args={"max_loras_per_batch": 2})
+    assert not [flag for flag in build_cpu_engine_args(plain, model_path="/m", host="h", port=5) if "lora" in flag]
+    # Released weights come back only from SGLang's CPU copy: no adapter push resends the base.
+    for lora_rank, backup in ((8, True), (0, False)):
+        offloaded = slime_flags(lora_rank=lora_rank, target_modules=["all-linear"], offload_rollout=True)
+        assert ("--enable-weights-cpu-backup" in sglang_cli(offloaded)) is backup

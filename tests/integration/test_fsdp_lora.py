@@ -18,13 +18,17 @@ import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
 from support.engines import cpu_engine_process, engine_prompt_log_probs
 from support.fsdp import CAPTURE_HOOK, CAPTURED, make_args, make_rollout, new_actor, plain_response_log_probs
+from support.ranks import spawn_ranks
 from support.scripts import run_script
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from slime.backends.fsdp_utils import lora
+from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
 from slime.backends.sglang_utils.http_client import EngineClient
+from slime.ray.rollout import split_train_data_by_dp
 from slime.utils.arguments import ArgumentValidationError
+from slime.utils.http_utils import find_free_port
 from slime.utils.lora import POLICY_ADAPTER
 from slime.utils.weight_transport import deserialize_named_tensors
 
@@ -198,6 +202,39 @@ def test_target_modules_exclude_modules_and_dropout_shape_the_adapter(tiny_model
     assert torch.equal(logits(), logits())
 
 
+def _lora_worker(rank: int, world_size: int, port: int, args, shards: list[dict], out_dir: str) -> None:
+    actor = FSDPTrainRayActor(world_size, rank, "127.0.0.1", port)
+    actor.init(args, "actor", with_ref=True)
+    metrics = actor.train(0, shards[rank])
+    adapter = adapter_of(actor)  # a collective: every rank gathers
+    actor.save_model(0)
+    if rank == 0:
+        torch.save({"metrics": metrics, "adapter": adapter}, f"{out_dir}/rank0.pt")
+
+
+def test_world_size_two_trains_and_saves_the_adapter_as_world_size_one(tiny_model_dir, tmp_path):
+    """Two FSDP ranks (sharded DTensors, frozen base and adapter in the same units) train the adapter as one rank
+    does, and their checkpoint loads at world size one."""
+    data = make_rollout(8, seed=8)
+    results = {}
+    for world_size in (1, 2):
+        out = tmp_path / f"ws{world_size}"
+        flags = [*LORA, "--use-kl-loss", "--kl-loss-coef", "0.1", "--save", str(out / "save")]
+        args = make_args(tiny_model_dir, *flags, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24")
+        per_sample = {key: value for key, value in data.items() if isinstance(value, list)}
+        shards = split_train_data_by_dp(args, per_sample, world_size) if world_size > 1 else [data]
+        out.mkdir()
+        spawn_ranks(_lora_worker, (world_size, find_free_port(), args, shards, str(out)), world_size)
+        results[world_size] = torch.load(out / "rank0.pt", weights_only=False)
+    single, dual = results[1], results[2]
+    for name in ("train/loss", "train/pg_loss", "train/kl_loss"):
+        assert dual["metrics"][name] == pytest.approx(single["metrics"][name], abs=1e-5), name
+    worst = max((single["adapter"][n] - dual["adapter"][n]).abs().max().item() for n in single["adapter"])
+    assert worst < 1e-5, worst
+    resumed = new_actor(make_args(tiny_model_dir, *LORA, "--load", str(tmp_path / "ws2" / "save")))
+    assert all(torch.equal(value, dual["adapter"][name]) for name, value in adapter_of(resumed).items())
+
+
 class RecordingClient(EngineClient):
     """A real engine client that also keeps what each adapter load carried, and counts adapter probes."""
 
@@ -264,6 +301,8 @@ def test_pushes_send_only_the_adapter_which_the_engine_serves(tiny_model_dir):
         (["--lora-rank", "4", "--use-kl-loss", "--ref-load", "/x"], "the reference model is the base model"),
         (["--lora-rank", "4", "--lora-train-only"], "not implemented"),
         (["--lora-rank", "4", "--multi-lora-n-adapters", "2"], "not implemented yet"),
+        (["--lora-rank", "4", "--freeze-params-name-list", "embed"], "drop --freeze-params-name-list"),
+        (["--lora-rank", "4", "--debug-rollout-only"], "no trainer to load the adapter"),
     ],
 )
 def test_lora_flags_are_checked(tiny_model_dir, flags, message):
@@ -272,3 +311,41 @@ def test_lora_flags_are_checked(tiny_model_dir, flags, message):
         return
     with pytest.raises(ArgumentValidationError, match=re.escape(message)):
         make_args(tiny_model_dir, *flags)
+
+
+def test_lora_flags_are_checked_against_the_folders_they_name(tiny_model_dir, tmp_path):
+    other_base = tmp_path / "other"
+    other_base.mkdir()
+    (other_base / "config.json").write_text("{}")
+    with pytest.raises(ArgumentValidationError, match="is a HuggingFace folder other than --hf-checkpoint"):
+        make_args(tiny_model_dir, *LORA, "--load", str(other_base))
+    make_args(tiny_model_dir, *LORA, "--load", str(tiny_model_dir))  # the base itself is fine
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    with pytest.raises(ArgumentValidationError) as refused:
+        make_args(tiny_model_dir, *LORA, "--target-modules", "v_proj", "--lora-adapter-path", str(adapter))
+    assert "--lora-rank 4 (the folder's: 8)" in str(refused.value)
+    assert "--target-modules v_proj (the folder's: q_proj)" in str(refused.value)
+
+
+def test_sglang_gets_the_adapter_in_torchs_own_pickle_and_the_cpu_engine_in_slimes():
+    """SGLang reads `serialized_tensors` with an unpickler that admits torch's globals only; the CPU engine's admits
+    slime's by-value form only. Each side gets the form it reads, holding the same {name: tensor} dict."""
+    import base64
+    import pickle
+
+    from slime.backends.weight_sync import LoraAdapterTransport
+
+    tensors = [
+        ("base_model.model.q.lora_A.weight", torch.randn(4, 8)),
+        ("base_model.model.q.lora_B.weight", torch.zeros(8, 4)),
+    ]
+
+    sglang = LoraAdapterTransport({}, "sglang")._payload(tensors)
+    decoded = pickle.loads(base64.b64decode(sglang))
+    assert {name: value.tolist() for name, value in decoded.items()} == {n: t.tolist() for n, t in tensors}
+    assert b"slime" not in base64.b64decode(sglang)  # nothing SGLang's unpickler would refuse
+    cpu = LoraAdapterTransport({}, "cpu")._payload(tensors)
+    assert [n for n, _ in deserialize_named_tensors(cpu)] == [n for n, _ in tensors]
+    assert b"_tensor_from_bytes" in base64.b64decode(cpu)

@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.weight_sync import SharedMemoryTransport
+from slime.utils import weight_transport
 from slime.utils.http_utils import find_free_port
 from slime.utils.weight_sync import bucket_named_tensors, probe_tokens
 from slime.utils.weight_transport import (
@@ -137,10 +138,34 @@ def _torch_file_system_payload(obj) -> str:
 
 @pytest.mark.reliability("weight payload: not (name, tensor) pairs, or not base64", "ValueError saying what it holds")
 def test_deserialize_rejects_a_payload_without_name_tensor_pairs():
-    with pytest.raises(ValueError, match="list of \\(name, tensor\\) pairs"):
-        deserialize_named_tensors(_slime_payload({"weight": torch.zeros(2)}))
+    for payload in ({"weight": "not a tensor"}, [("weight",)], torch.zeros(2)):
+        with pytest.raises(ValueError, match="list of \\(name, tensor\\) pairs"):
+            deserialize_named_tensors(_slime_payload(payload))
     with pytest.raises(ValueError, match="not base64"):
         deserialize_named_tensors("this is not base64!")
+    # The {name: tensor} form (SGLang's LoRA endpoint reads a dict) comes back as pairs.
+    named = [("a", torch.arange(3.0)), ("b", torch.ones(2, 2))]
+    assert _as_plain(deserialize_named_tensors(serialize_named_tensors(named, as_dict=True))) == _as_plain(named)
+
+
+class _SharedBytes:
+    """One by-value tensor whose bytes object a pickle memoizes: every copy of it names the same bytes."""
+
+    data = b"\0" * 40_000
+
+    def __reduce__(self):
+        return weight_transport._tensor_from_bytes, (self.data, "float32", [10_000])
+
+
+@pytest.mark.reliability(
+    "weight or adapter pickle that names one bytes object for many tensors (45 kB growing into 8 MB, or all of memory)",
+    "ValueError before the copies are made: the tensors may hold no more bytes than the payload",
+)
+def test_a_payload_cannot_grow_past_its_own_size():
+    raw = pickle.dumps([(f"w{i}", _SharedBytes()) for i in range(200)])  # 200 tensors, one bytes object
+    assert len(raw) < 50_000
+    with pytest.raises(ValueError, match="more bytes than the payload itself"):
+        deserialize_named_tensors(base64.b64encode(raw).decode("ascii"))
 
 
 class _RunsCommand:

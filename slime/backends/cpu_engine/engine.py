@@ -85,6 +85,7 @@ class CpuEngine:
         max_lora_rank: Highest adapter rank accepted; None for any.
         lora_target_modules: Linear leaf names adapters may target (or ["all-linear"]); None for all.
         max_loras_per_batch: Most distinct adapters in the running batch; requests of further ones wait.
+        max_loaded_loras: Most adapters held at once.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class CpuEngine:
         max_lora_rank: int | None = None,
         lora_target_modules: list[str] | None = None,
         max_loras_per_batch: int = 8,
+        max_loaded_loras: int = 16,
     ):
         if not Path(model_path).is_dir():
             raise ValueError(
@@ -125,7 +127,9 @@ class CpuEngine:
         # MoE models: the routers' choices, for requests with return_routed_experts
         self.routers = HFRouters(self.model, config.num_hidden_layers) if routing_shape(config) else None
         self.lora = (
-            LoraStore(self.model, max_lora_rank, lora_target_modules, max_loras_per_batch) if enable_lora else None
+            LoraStore(self.model, max_lora_rank, lora_target_modules, max_loras_per_batch, max_loaded_loras)
+            if enable_lora
+            else None
         )
 
         # A file or folder that holds exactly the live weights, reloaded by resume; None once they drift.
@@ -411,12 +415,18 @@ class CpuEngine:
     # ----- worker thread ----------------------------------------------------------------------
 
     def _check_adapters(self, requests: list[GenerationRequest]) -> None:
-        """Refuse requests naming an adapter that is not loaded (called under `_cond`)."""
+        """Refuse requests naming an adapter that is not loaded (called under `_cond`).
+
+        While generation is paused a weight push may be replacing the adapter (unload, then load): such requests
+        wait in the queue, and admission ends those whose adapter is still missing then (`_take_pending`).
+        """
         names = [r.lora_path for r in requests if r.lora_path is not None]
         if not names:
             return
         if self.lora is None:
             raise RequestError(f"lora_path: {_LORA_OFF}")
+        if self._paused:
+            return
         unknown = next((name for name in names if name not in self.lora.adapters), None)
         if unknown is not None:
             raise RequestError(
@@ -471,11 +481,14 @@ class CpuEngine:
         # Requests of an adapter beyond --max-loras-per-batch wait, in order, for the batch to drop one.
         adapters = {r.lora_path for r in self._batch.requests} if self._batch is not None else set()
         adapters.discard(None)
-        held_back = []
+        held_back, missing = [], []
         with self._cond:
             longest = 0
             while self._pending and running + len(taken) < self.max_running_requests:
                 name = self._pending[0].lora_path
+                if name is not None and name not in self.lora.adapters:  # queued while paused, never loaded
+                    missing.append(self._pending.popleft())
+                    continue
                 if name is not None and name not in adapters and len(adapters) >= self.lora.max_per_batch:
                     held_back.append(self._pending.popleft())
                     continue
@@ -486,6 +499,10 @@ class CpuEngine:
                 if name is not None:
                     adapters.add(name)
             self._pending.extendleft(reversed(held_back))
+        for request in missing:
+            request.error = f"lora_path {request.lora_path!r} is not a loaded adapter (it was not loaded again)"
+            request.error_status = 400
+            self._finish(request, _abort_reason(request.error))
         return taken
 
     def _admit(self, requests: list[GenerationRequest]) -> None:

@@ -336,9 +336,9 @@ def build_adapter(
     return LoraAdapter(name=name, source=source, rank=parsed.rank, scaling=parsed.scaling, weights=weights)
 
 
-def read_adapter_folder(path: str | Path) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
-    """Read a PEFT adapter folder: (config object, (name, tensor) pairs). Only regular files are opened and
-    only safetensors are read (never a pickle).
+def read_adapter_folder(path: str | Path, max_bytes: int) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """Read a PEFT adapter folder: (config object, (name, tensor) pairs). Only regular files are opened,
+    only safetensors are read (never a pickle), and none larger than `max_bytes` (`LoraStore.max_adapter_bytes`).
 
     Raises:
         ValueError: naming the path and what it should hold.
@@ -354,12 +354,12 @@ def read_adapter_folder(path: str | Path) -> tuple[Any, list[tuple[str, torch.Te
             f"lora_path {str(path)!r} holds adapter_model.bin, a pickle, which the engine never loads; "
             "save the adapter with save_pretrained(..., safe_serialization=True) to get adapter_model.safetensors"
         )
-    raw_config = read_regular_file(folder / CONFIG_FILE)
+    raw_config = read_regular_file(folder / CONFIG_FILE, max_bytes=2**20)
     try:
         config = json.loads(raw_config)
     except ValueError as error:
         raise ValueError(f"{folder / CONFIG_FILE} is not valid JSON: {error}") from None
-    raw_weights = read_regular_file(weights_file)
+    raw_weights = read_regular_file(weights_file, max_bytes)
     try:
         tensors = load_safetensors(raw_weights)
     except Exception as error:  # SafetensorError: bad header, truncated
@@ -382,6 +382,7 @@ class LoraStore:
         max_rank: `--max-lora-rank`; None for no limit.
         target_modules: `--lora-target-modules`; None for all Linear layers.
         max_per_batch: `--max-loras-per-batch`: most distinct adapters in one running batch.
+        max_loaded: `--max-loaded-loras`: most adapters held at once.
     """
 
     def __init__(
@@ -390,8 +391,10 @@ class LoraStore:
         max_rank: int | None = None,
         target_modules: list[str] | None = None,
         max_per_batch: int = 8,
+        max_loaded: int = 16,
     ):
         self.layout = linear_layout(model)
+        self.max_loaded = max_loaded
         if target_modules is not None:
             check_target_modules(target_modules, self.layout)
         self.max_rank = max_rank
@@ -411,6 +414,15 @@ class LoraStore:
             name, source, config, named_tensors, self.layout, self.max_rank, self.target_modules, self.dtype
         )
 
+    def max_adapter_bytes(self) -> int:
+        """The largest adapter file this engine could accept: every Linear targeted at the highest rank allowed,
+        in 8-byte floats, plus room for the header. Anything larger is refused before it is read."""
+        total = 0
+        for in_features, out_features in self.layout.shapes.values():
+            rank = min(self.max_rank or in_features, in_features, out_features)
+            total += rank * (in_features + out_features) * 8
+        return total + 2**20
+
     def loaded(self) -> dict[str, str]:
         """name -> source of every adapter held."""
         return {name: adapter.source for name, adapter in self.adapters.items()}
@@ -422,6 +434,11 @@ class LoraStore:
             raise ValueError(
                 f"an adapter named {name!r} is already loaded (from {held.source}); "
                 "unload it first (/unload_lora_adapter) or pick another lora_name"
+            )
+        if len(self.adapters) >= self.max_loaded:
+            raise ValueError(
+                f"the engine already holds {len(self.adapters)} adapters (--max-loaded-loras {self.max_loaded}); "
+                "unload one first (/unload_lora_adapter)"
             )
 
     def add(self, adapter: LoraAdapter) -> None:

@@ -282,7 +282,7 @@ class _Stream:
             if entry is None:  # the request ended
                 self.done.add(request)
                 if request.error:
-                    raise RequestError(f"generation failed: {request.error}", status=500)
+                    raise RequestError(f"generation failed: {request.error}", status=request.error_status)
                 final = self.final_text(request)
                 if not final.startswith(choice.sent):
                     logger.warning("request %s: streamed %r, but its final text is %r", request.rid, choice.sent, final)
@@ -451,9 +451,9 @@ def add_routes(
         tops: dict[GenerationRequest, list] = {r: [] for r in requests}
         watch = TokenWatch(lambda r, top, last: tops[r].append(top), top_logprobs) if top_logprobs else None
         finished = await run_requests(engine, requests, watch)
-        failed = next((r.error for r in finished if r.error), None)
-        if failed:
-            raise RequestError(f"generation failed: {failed}", status=500)
+        failed = next((r for r in finished if r.error), None)
+        if failed is not None:
+            raise RequestError(f"generation failed: {failed.error}", status=failed.error_status)
         return [_entries(r, tops[r]) for r in finished]
 
     async def stream(

@@ -69,6 +69,7 @@ class GenerationRequest:
     routed_experts: list[torch.Tensor] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
+    error_status: int = 500  # of the HTTP answer: 400 when the request itself was at fault
     weight_version: str = ""
     finish_time: float | None = None
     abort_requested: bool = False

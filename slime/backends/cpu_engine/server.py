@@ -81,7 +81,7 @@ from slime.backends.cpu_engine.protocol import (
 )
 from slime.backends.cpu_engine.sampling import SamplingParams
 from slime.utils import weight_transport
-from slime.utils.engine_args import ENGINE_API_KEY_ENV
+from slime.utils.engine_args import CPU_ENGINE_CONTROL_MAX_BODY_BYTES, ENGINE_API_KEY_ENV
 from slime.utils.openai_protocol import PARSE_OFF_LOOP_BYTES, lone_surrogate
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ logger = logging.getLogger(__name__)
 VERSION = "slime-cpu-engine 0.1.0"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 GENERATE_MAX_BODY_BYTES = 16 * 2**20
-CONTROL_MAX_BODY_BYTES = 64 * 2**20
+CONTROL_MAX_BODY_BYTES = CPU_ENGINE_CONTROL_MAX_BODY_BYTES
 JOIN_TIMEOUT_S = 60.0
 # A SIGTERM waits this long for open requests (all aborted first) before it cancels them.
 SHUTDOWN_TIMEOUT_S = 3.0
@@ -121,6 +121,7 @@ class ServerArgs:
         max_lora_rank: Highest adapter rank the engine accepts; None for any.
         lora_target_modules: Linear leaf names (`q_proj`, ...) adapters may target, or ["all-linear"]; None for all.
         max_loras_per_batch: Most distinct adapters in one running batch; requests of further ones wait.
+        max_loaded_loras: Most adapters held at once; loading another needs an unload first.
         lora_paths: Adapters loaded at start, each `name=path` or `path` (then named by its path).
     """
 
@@ -142,6 +143,7 @@ class ServerArgs:
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
     max_loras_per_batch: int = 8
+    max_loaded_loras: int = 16
     lora_paths: list[str] | None = None
 
 
@@ -182,7 +184,13 @@ def check_server_args(args: ServerArgs) -> None:
             "request bodies (/update_weights_from_tensor) and accepts weight pushes from anyone who can reach it. "
             "Pass --api-key KEY (from slime: --sglang-api-key KEY), or bind --host 127.0.0.1."
         )
-    for name in ("max_running_requests", "max_queued_requests", "num_threads", "max_loras_per_batch"):
+    for name in (
+        "max_running_requests",
+        "max_queued_requests",
+        "num_threads",
+        "max_loras_per_batch",
+        "max_loaded_loras",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_lora_rank is not None and args.max_lora_rank < 1:
@@ -196,6 +204,7 @@ def check_server_args(args: ServerArgs) -> None:
                 ("--max-lora-rank", args.max_lora_rank is not None),
                 ("--lora-target-modules", args.lora_target_modules is not None),
                 ("--max-loras-per-batch", args.max_loras_per_batch != ServerArgs.max_loras_per_batch),
+                ("--max-loaded-loras", args.max_loaded_loras != ServerArgs.max_loaded_loras),
             )
             if used
         ]
@@ -227,10 +236,11 @@ def build_engine(args: ServerArgs) -> CpuEngine:
         max_lora_rank=args.max_lora_rank,
         lora_target_modules=args.lora_target_modules,
         max_loras_per_batch=args.max_loras_per_batch,
+        max_loaded_loras=args.max_loaded_loras,
     )
     for name, path in parse_lora_paths(args.lora_paths or []):
         try:
-            config, tensors = lora.read_adapter_folder(path)
+            config, tensors = lora.read_adapter_folder(path, engine.lora_store().max_adapter_bytes())
             engine.add_lora_adapter(engine.lora_store().build(name, path, config, tensors)).result()
         except ValueError as error:
             engine.shutdown()
@@ -502,9 +512,9 @@ async def generate(request: web.Request) -> web.Response:
         message = f"the engine's queue is full ({waiting} requests waiting, --max-queued-requests {limit}); retry later"
         return web.json_response({"error": {"message": message}}, status=503, headers={"Retry-After": "1"})
     finished = await _run_requests(engine, requests)
-    failed = next((r.error for r in finished if r.error), None)
-    if failed:
-        return _error(failed, 500)
+    failed = next((r for r in finished if r.error), None)
+    if failed is not None:
+        return _error(failed.error, failed.error_status)
     responses = [build_generate_response(r, engine.tokenizer) for r in finished]
     return web.json_response(responses if is_batch else responses[0])
 
@@ -918,7 +928,7 @@ async def load_lora_adapter(request: web.Request) -> dict[str, str]:
     _field(body, "pinned", bool, False)  # every adapter stays resident here: there is nothing to pin against
 
     def read() -> lora.LoraAdapter:
-        config, tensors = lora.read_adapter_folder(path)
+        config, tensors = lora.read_adapter_folder(path, store.max_adapter_bytes())
         return store.build(name, path, config, tensors)
 
     adapter = await asyncio.to_thread(read)
@@ -1086,6 +1096,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         type=int,
         default=defaults.max_loras_per_batch,
         help="most distinct adapters in one running batch; requests of further ones wait",
+    )
+    parser.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=defaults.max_loaded_loras,
+        help="most adapters held at once; loading another needs an unload first",
     )
     parser.add_argument(
         "--lora-paths", nargs="+", default=None, metavar="NAME=PATH", help="PEFT adapter folders loaded at start"

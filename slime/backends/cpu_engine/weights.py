@@ -217,8 +217,8 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
     return files
 
 
-def read_regular_file(path: str | Path) -> bytes:
-    """The bytes of `path`, which must be a regular file; ValueError naming it otherwise.
+def read_regular_file(path: str | Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of `path`, which must be a regular file (of at most `max_bytes`); ValueError naming it otherwise.
 
     Opened non-blocking and checked on the open descriptor, so a FIFO or device put there (even after a
     check by name) is refused instead of blocking the engine in open() or read().
@@ -228,9 +228,16 @@ def read_regular_file(path: str | Path) -> bytes:
     except OSError as error:
         raise ValueError(f"cannot open {str(path)!r}: {error.strerror}") from None
     with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{str(path)!r} is not a regular file; only regular files are read")
-        return file.read()
+        too_big = f"{str(path)!r} is larger than the {max_bytes} bytes it may hold"
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise ValueError(too_big)
+        data = file.read(max_bytes + 1 if max_bytes is not None else -1)
+        if max_bytes is not None and len(data) > max_bytes:  # grew after the check
+            raise ValueError(too_big)
+        return data
 
 
 def _read_header(file: Path):

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -29,18 +30,13 @@ def apply_lora(model: nn.Module, args: Namespace) -> PeftModel:
     """Wrap an unsharded HF causal LM with a trainable LoRA adapter: a new one from the flags, or
     `--lora-adapter-path`'s.
 
+    The adapter folder's rank, alpha and targets were checked against the flags at parse time.
+
     Raises:
-        ValueError: the adapter folder's rank differs from `--lora-rank`, or a target matches no module.
+        ValueError: a target matches no module.
     """
     path = args.lora_adapter_path
     if path is not None:
-        with open(os.path.join(path, ADAPTER_CONFIG)) as f:
-            saved_rank = json.load(f).get("r")
-        if saved_rank != args.lora_rank:
-            raise ValueError(
-                f"--lora-adapter-path {path} holds a rank-{saved_rank} adapter but --lora-rank is {args.lora_rank}; "
-                f"pass --lora-rank {saved_rank}"
-            )
         return PeftModel.from_pretrained(model, path, is_trainable=True)
     targets = args.target_modules
     config = LoraConfig(
@@ -96,7 +92,19 @@ def save_adapter_folder(model: PeftModel, tensors: dict[str, torch.Tensor], path
         json.dump(adapter_config(model), f, indent=2)
 
 
-def reference_log_probs(model: PeftModel, forward):
-    """`forward()` with the adapter switched off: the base model's outputs, the reference under LoRA."""
-    with model.disable_adapter():
+def reference_log_probs(model: nn.Module, forward):
+    """`forward()` with the adapter switched off: the base model's outputs, the reference under LoRA.
+
+    Each LoRA layer's own switch is flipped and restored; peft's `disable_adapter()` also turns `requires_grad` off,
+    and an FSDP2 unit whose first forward sees no trainable parameter never sets up its gradient dtypes (with
+    --bf16 the first backward then fails).
+    """
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    states = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
         return forward()
+    finally:
+        for layer, state in zip(layers, states):
+            layer._disable_adapters = state

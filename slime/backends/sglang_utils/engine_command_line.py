@@ -161,6 +161,9 @@ def build_sglang_server_args(
         "trust_remote_code": bool(args.trust_remote_code),
         **_lora_serving_options(args, every_linear="all"),
     }
+    if lora_enabled(args) and args.offload_rollout:
+        # Released weights come back only from a CPU copy: with LoRA no push ever resends the base.
+        slime_options["enable_weights_cpu_backup"] = True
     parser = sglang_cli_parser()
     return options_to_cli_args(slime_options) + options_to_cli_args(drop_parser_defaults(user_options, parser), parser)
 
@@ -182,7 +185,8 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     """
     ignored = _normalized_options(drop_parser_defaults(args.sglang_server_args or {}, sglang_cli_parser()))
     ignored.pop("api_key", None)
-    max_loras_per_batch = ignored.pop("max_loras_per_batch", None)
+    # The one SGLang LoRA field the CPU engine takes from the user; the others follow --lora-rank.
+    max_loras_per_batch = ignored.pop("max_loras_per_batch", None) if lora_enabled(args) else None
     if ignored:
         logger.warning("the CPU engine ignores these --sglang-* flags: %s", ", ".join(sorted(ignored)))
     return options_to_cli_args(

@@ -1,18 +1,25 @@
 """`--lora-rank`: each update sends only the LoRA adapter, which the engines serve with SGLang's LoRA API.
 
-The adapter is small (rank x (in + out) per targeted layer), so it goes by value in the request body, whatever the
-layout: training rank 0 posts it to every engine's `/load_lora_adapter_from_tensors` under `POLICY_ADAPTER` (after
+The adapter is small (rank x (in + out) per targeted layer), so it goes by value in the request body, colocated or
+not: training rank 0 posts it to every engine's `/load_lora_adapter_from_tensors` under `POLICY_ADAPTER` (after
 `/unload_lora_adapter` of the previous one), then sets the engines' weight version (`/update_weight_version`), the
 label rollouts record and staleness counts. The base weights the engines loaded at start never change.
+
+The tensors are pickled for the engine that reads them: slime's by-value form for the CPU engine (its restricted
+unpickler, `serialize_named_tensors`), torch's own by-value pickling for SGLang, whose restricted unpickler admits
+torch's globals only.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import pickle
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from slime.backends.weight_sync.base import WeightTransport, call_engine
+from slime.utils.engine_args import CPU_ENGINE_CONTROL_MAX_BODY_BYTES
 from slime.utils.lora import POLICY_ADAPTER
 from slime.utils.weight_sync import Bucket
 from slime.utils.weight_transport import serialize_named_tensors
@@ -23,18 +30,20 @@ class LoraAdapterTransport(WeightTransport):
 
     Args:
         config: The adapter's `adapter_config.json` contents (rank, alpha, target modules).
+        rollout_backend: "cpu" (slime's CPU engine) or "sglang": how the tensors are pickled.
     """
 
     adapter = POLICY_ADAPTER
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, rollout_backend: str = "cpu"):
         self.config = config
+        self.rollout_backend = rollout_backend
 
     def push(self, buckets: Iterable[Bucket], version: str) -> None:
         tensors = [(name, tensor.cpu()) for bucket in buckets for name, tensor in bucket]  # every rank: a collective
         if self.rank != 0:
             return
-        payload = serialize_named_tensors(tensors, as_dict=True)  # the {name: tensor} dict SGLang reads
+        payload = self._payload(tensors)
 
         def replace(engine) -> None:
             # Not loaded yet on a new (or restarted) engine: the unload is refused and the load goes on.
@@ -52,3 +61,17 @@ class LoraAdapterTransport(WeightTransport):
         with ThreadPoolExecutor(max_workers=max(len(self.engines), 1)) as pool:
             for future in [pool.submit(replace, engine) for engine in self.engines]:
                 future.result()
+
+    def _payload(self, tensors: list) -> str:
+        """`serialized_tensors`: a base64 pickle of the {name: tensor} dict SGLang's endpoint reads."""
+        if self.rollout_backend == "sglang":
+            return base64.b64encode(pickle.dumps(dict(tensors), protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+        payload = serialize_named_tensors(tensors, as_dict=True)
+        if len(payload) > CPU_ENGINE_CONTROL_MAX_BODY_BYTES * 0.99:  # the JSON around it takes a few bytes more
+            nbytes = sum(tensor.numel() * tensor.element_size() for _, tensor in tensors)
+            raise ValueError(
+                f"the LoRA adapter is {nbytes / 2**20:.0f} MiB ({len(payload) / 2**20:.0f} MiB as a request body) "
+                f"and the CPU engine takes at most {CPU_ENGINE_CONTROL_MAX_BODY_BYTES / 2**20:.0f} MiB per request: "
+                "lower --lora-rank, target fewer modules (--target-modules, --exclude-modules), or push bf16 (--bf16)"
+            )
+        return payload

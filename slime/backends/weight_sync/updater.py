@@ -44,7 +44,7 @@ def choose_transport(
         adapter_config: The trained LoRA adapter's PEFT config (`--lora-rank`), None when the full weights train.
     """
     if adapter_config is not None:
-        return LoraAdapterTransport(adapter_config)
+        return LoraAdapterTransport(adapter_config, args.rollout_backend)
     gpus_per_engine = args.rollout_num_gpus_per_engine
     if args.colocate:
         if device.type != "cuda" and shared_memory_available():

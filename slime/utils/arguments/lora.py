@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from slime.utils.arguments.errors import _fail
@@ -81,20 +82,67 @@ def _validate_lora(args: argparse.Namespace) -> None:
         _fail(f"--lora-dropout must be in [0, 1) (got {args.lora_dropout}).")
     if "all-linear" in args.target_modules and len(args.target_modules) > 1:
         _fail(f"--target-modules {' '.join(args.target_modules)}: all-linear stands alone; or list leaf names.")
-    if args.lora_adapter_path is not None and not os.path.isfile(
-        os.path.join(args.lora_adapter_path, "adapter_config.json")
-    ):
-        _fail(
-            f"--lora-adapter-path {args.lora_adapter_path} is not a PEFT adapter folder (no adapter_config.json); "
-            "point it at a folder saved by peft's save_pretrained or by slime (<checkpoint>/adapter)."
-        )
+    if args.lora_adapter_path is not None:
+        _validate_adapter_folder(args)
     if args.use_critic:
         _fail("--lora-rank trains the actor's adapter; a PPO critic with LoRA is not implemented: drop --lora-rank.")
     if args.ref_load is not None or args.ref_update_interval is not None:
         flag = "--ref-load" if args.ref_load is not None else "--ref-update-interval"
         _fail(f"with --lora-rank the reference model is the base model (the adapter switched off); drop {flag}.")
+    for flag, given in (
+        ("--only-train-params-name-list", args.only_train_params_name_list),
+        ("--freeze-params-name-list", args.freeze_params_name_list),
+    ):
+        if given:
+            _fail(f"--lora-rank trains the adapter and freezes everything else; drop {flag}.")
+    if args.debug_rollout_only:
+        _fail(
+            "--debug-rollout-only has no trainer to load the adapter onto the engines, which --lora-rank requests "
+            "generate with; drop one."
+        )
+    if args.load and os.path.isfile(os.path.join(args.load, "config.json")):
+        if os.path.realpath(args.load) != os.path.realpath(args.hf_checkpoint):
+            _fail(
+                f"--load {args.load} is a HuggingFace folder other than --hf-checkpoint {args.hf_checkpoint}: with "
+                "--lora-rank the engines serve --hf-checkpoint as the base and receive only the adapter, so the "
+                f"trainer's base must be the same; pass --hf-checkpoint {args.load}."
+            )
     if args.update_weight_transport == "disk" and not args.colocate:
         _fail(
             "--lora-rank pushes the adapter in the request body (it is small); --update-weight-transport disk is not "
             "used for adapters yet: drop it."
         )
+
+
+def _validate_adapter_folder(args: argparse.Namespace) -> None:
+    """`--lora-adapter-path` holds a PEFT adapter of the rank, alpha and targets the flags give (the engines are
+    started from the flags)."""
+    path = args.lora_adapter_path
+    config_file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_file):
+        _fail(
+            f"--lora-adapter-path {path} is not a PEFT adapter folder (no adapter_config.json); point it at a "
+            "folder saved by peft's save_pretrained or by slime (<checkpoint>/adapter)."
+        )
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as error:
+        _fail(f"--lora-adapter-path {path}: adapter_config.json is not readable JSON ({error}).")
+    if not isinstance(config, dict):
+        _fail(f"--lora-adapter-path {path}: adapter_config.json is not a JSON object.")
+    differ = [
+        f"{flag} {given} (the folder's: {saved})"
+        for flag, given, saved in (
+            ("--lora-rank", args.lora_rank, config.get("r")),
+            ("--lora-alpha", args.lora_alpha, config.get("lora_alpha")),
+        )
+        if saved != given
+    ]
+    saved_targets = config.get("target_modules")
+    if args.target_modules != ["all-linear"] and isinstance(saved_targets, list):
+        leaf_names = sorted({name.rsplit(".", 1)[-1] for name in saved_targets})
+        if leaf_names != sorted(args.target_modules):
+            differ.append(f"--target-modules {' '.join(args.target_modules)} (the folder's: {' '.join(leaf_names)})")
+    if differ:
+        _fail(f"--lora-adapter-path {path} holds another adapter than the flags describe: {'; '.join(differ)}.")
