@@ -24,6 +24,7 @@ Each transport is the one `choose_transport` picks for the same flags.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import subprocess
 import sys
@@ -91,10 +92,11 @@ def time_pushes(
     return best, gap, moved
 
 
-def lora_model(model_dir: str) -> torch.nn.Module:
-    """The base with a rank-`LORA_RANK` adapter on every linear layer, B random (peft starts it at zero)."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model = get_peft_model(base, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear"))
+def lora_model(base: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `base` (the weights the engine holds now) with a rank-`LORA_RANK` adapter on every linear layer,
+    B random (peft starts it at zero)."""
+    config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear")
+    model = get_peft_model(copy.deepcopy(base), config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".lora_B." in name:
@@ -141,9 +143,10 @@ def main() -> None:
                     update_weight_disk_dir=disk_dir,
                     update_weight_disk_keep_files=False,
                     hf_checkpoint=model_dir,
+                    custom_update_weight_post_write_path=None,
                 )
                 adapter = transport == "adapter"
-                pushed = lora_model(model_dir) if adapter else model
+                pushed = lora_model(model) if adapter else model
                 config = lora.adapter_config(pushed) if adapter else None
                 updater = WeightUpdater(rank=0)
                 updater.connect(choose_transport(options, torch.device("cpu"), adapter_config=config), [client], [url])
