@@ -13,8 +13,9 @@ This process plays training rank 0 (world size 1, gloo) holding the HF model; on
   (colocated engines, same host); the warm-up push creates and maps them, the timed ones only copy;
 - broadcast: a gloo group with the engine, `/update_weights_from_distributed`;
 - disk: HF safetensors shards under `--disk-dir`, `/update_weights_from_disk` (previous push deleted);
-- adapter: `--lora-rank 16` on every linear layer: only the LoRA adapter, by value, to
-  `/load_lora_adapter_from_tensors` (any layout), the engine serving it beside the base it loaded.
+- adapter: `--lora-rank 16` on every linear layer, colocated: only the LoRA adapter, through a shared-memory
+  segment, to `/load_lora_adapter_from_tensors`, the engine serving it beside the base it loaded;
+- adapter-by-value: the same adapter in the request body (engines on other hosts).
 
 Before each push the weights get a little noise, and afterwards the engine's probe log-probs must equal this
 process's (the gap is printed). Timings are the best of `--repeats` pushes after one warm-up push.
@@ -110,7 +111,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--buffer-size", type=int, default=512 * 1024**2, help="--update-weight-buffer-size")
     parser.add_argument("--disk-dir", default=None, help="--update-weight-disk-dir (default: a temporary folder)")
-    parser.add_argument("--transports", nargs="+", default=["tensor", "broadcast", "disk", "adapter"])
+    parser.add_argument(
+        "--transports", nargs="+", default=["tensor", "broadcast", "disk", "adapter", "adapter-by-value"]
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -136,7 +139,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="weight_sync_bench_", dir=args.disk_dir) as disk_dir:
             for transport in args.transports:
                 options = Namespace(
-                    colocate=transport == "tensor",
+                    colocate=transport in ("tensor", "adapter"),
                     rollout_num_gpus_per_engine=1,
                     rollout_backend="cpu",
                     update_weight_transport="disk" if transport == "disk" else "nccl",
@@ -145,7 +148,7 @@ def main() -> None:
                     hf_checkpoint=model_dir,
                     custom_update_weight_post_write_path=None,
                 )
-                adapter = transport == "adapter"
+                adapter = transport.startswith("adapter")
                 pushed = lora_model(model) if adapter else model
                 config = lora.adapter_config(pushed) if adapter else None
                 updater = WeightUpdater(rank=0)

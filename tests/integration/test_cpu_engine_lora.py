@@ -28,7 +28,12 @@ from transformers import AutoModelForCausalLM
 from slime.backends.cpu_engine.server import parse_args
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.utils.http_utils import HTTPRequestError
-from slime.utils.weight_transport import serialize_named_tensors
+from slime.utils.weight_transport import (
+    SHARED_MEMORY_FORMAT,
+    release_send_segments,
+    serialize_named_tensors,
+    stage_named_tensors,
+)
 
 PROMPT = [264, 224, 303, 296, 272]
 OTHER_PROMPT = [40, 41, 42]
@@ -510,3 +515,28 @@ def test_adapter_files_and_counts_are_bounded(tiny_model_dir, adapters, tmp_path
     store.add(store.build("first", "a1", config, tensors))
     with pytest.raises(ValueError, match="already holds 1 adapters \\(--max-loaded-loras 1\\); unload one first"):
         store.check_free("second")
+
+
+def test_adapter_from_a_shared_memory_segment_is_copied_out(server, adapters, models):
+    """A colocated trainer's adapter push: a stage_named_tensors segment the engine copies the adapter out of, so
+    the trainer rewrites the same segment at the next push without touching what the engine serves."""
+    client = EngineClient(server)
+    tensors = list(load_file(adapters["a1"] / WEIGHTS).items())
+    config = json.loads((adapters["a1"] / CONFIG).read_text())
+    release_send_segments()
+    try:
+        payload = stage_named_tensors(tensors, index=-1)
+        client.load_lora_adapter_from_tensors("shm", config, payload, load_format=SHARED_MEMORY_FORMAT)
+        [row] = scored(server, [PROMPT], ["shm"])
+        assert_matches(row, PROMPT, models["a1"])
+        rewritten = stage_named_tensors([(name, torch.zeros_like(t)) for name, t in tensors], index=-1)
+        assert json.loads(rewritten)["segment"] == json.loads(payload)["segment"]  # the same memory, now zeros
+        [row] = scored(server, [PROMPT], ["shm"])
+        assert_matches(row, PROMPT, models["a1"])
+        client.unload_lora_adapter("shm")
+        forged = {**json.loads(payload), "segment": "slime_w_" + "0" * 16}
+        with pytest.raises(HTTPRequestError, match="no shared-memory segment"):
+            client.load_lora_adapter_from_tensors("shm", config, json.dumps(forged), load_format=SHARED_MEMORY_FORMAT)
+        assert "shm" not in loaded(server)
+    finally:
+        release_send_segments()

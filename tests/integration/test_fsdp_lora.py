@@ -30,7 +30,7 @@ from slime.ray.rollout import split_train_data_by_dp
 from slime.utils.arguments import ArgumentValidationError
 from slime.utils.http_utils import find_free_port
 from slime.utils.lora import POLICY_ADAPTER
-from slime.utils.weight_transport import deserialize_named_tensors
+from slime.utils.weight_transport import SHARED_MEMORY_FORMAT, deserialize_named_tensors, parse_shared_payload
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "5e-2"]
 SFT = ["--loss-type", "sft_loss"]
@@ -255,12 +255,16 @@ class RecordingClient(EngineClient):
         return super().generate(payload)
 
 
-def test_pushes_send_only_the_adapter_which_the_engine_serves(tiny_model_dir):
+@pytest.mark.parametrize("colocate", [False, True], ids=["by-value", "shared-memory"])
+def test_pushes_send_only_the_adapter_which_the_engine_serves(tiny_model_dir, colocate):
+    """Disaggregated, the adapter goes in the request body; colocated with a CPU engine, through a shared-memory
+    segment the trainer reuses for every push (the engine copies the adapter out)."""
     probe = make_rollout(1, seed=11)["tokens"][0]
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     base = plain_response_log_probs(plain, probe, len(probe) - 1)
     with cpu_engine_process(tiny_model_dir, "--enable-lora", "--max-lora-rank", "4") as (client, url):
-        actor = new_actor(make_args(tiny_model_dir, *LORA, *SFT, "--check-lora-weight-equal"))
+        layout = ["--colocate"] if colocate else []
+        actor = new_actor(make_args(tiny_model_dir, *LORA, *SFT, "--check-lora-weight-equal", *layout))
         client = RecordingClient(url)
         actor.connect_rollout_engines([client], [url])
         for version in (1, 2):
@@ -278,8 +282,16 @@ def test_pushes_send_only_the_adapter_which_the_engine_serves(tiny_model_dir):
             assert (engine_prompt_log_probs(client, probe) - base).abs().max().item() < 1e-5  # the base is untouched
         # Each push carried the adapter's tensors only (PEFT names), no base weight.
         assert len(client.adapters) == 2
-        pushed = deserialize_named_tensors(client.adapters[-1]["serialized_tensors"])
-        assert {name for name, _ in pushed} == set(adapter_of(actor))
+        last = client.adapters[-1]["serialized_tensors"]
+        if colocate:
+            assert [body["load_format"] for body in client.adapters] == [SHARED_MEMORY_FORMAT] * 2
+            segments = [parse_shared_payload(body["serialized_tensors"]).segment for body in client.adapters]
+            assert segments[0] == segments[1]  # one segment for every push: the engine holds a copy
+            pushed = parse_shared_payload(last).tensors
+        else:
+            assert [body["load_format"] for body in client.adapters] == [None] * 2
+            pushed = deserialize_named_tensors(last)
+        assert {tensor.name if colocate else tensor[0] for tensor in pushed} == set(adapter_of(actor))
         assert client.adapters[-1]["config_dict"]["r"] == 4 and client.adapters[-1]["lora_name"] == POLICY_ADAPTER
 
         # An adapter the engine computes differently (here: a config that doubles the scaling) fails the check.

@@ -663,19 +663,24 @@ def _per_payload(payloads: list, read: Callable[[Any], Any], error: type[Excepti
     return results
 
 
+def _shared_memory_format(body: dict) -> bool:
+    """Whether a tensor upload's `load_format` names a trainer's shared-memory segments (else base64 pickles)."""
+    load_format = _field(body, "load_format", str, None)
+    if load_format not in (None, "direct", weight_transport.SHARED_MEMORY_FORMAT):
+        raise RequestError(
+            f"load_format={load_format!r} is not supported; send base64 pickles of (name, tensor) pairs "
+            f"(serialize_named_tensors) with load_format null, or stage_named_tensors payloads with load_format "
+            f"{weight_transport.SHARED_MEMORY_FORMAT!r}"
+        )
+    return load_format == weight_transport.SHARED_MEMORY_FORMAT
+
+
 @_control
 async def update_weights_from_tensor(request: web.Request) -> dict:
     engine = request.app[_ENGINE]
     body = await _json_body(request)
     payloads = _field(body, "serialized_named_tensors", list)
-    load_format = _field(body, "load_format", str, None)
-    shared = load_format == weight_transport.SHARED_MEMORY_FORMAT
-    if load_format not in (None, "direct") and not shared:
-        raise RequestError(
-            f"load_format={load_format!r} is not supported; send base64 pickles of (name, tensor) pairs with "
-            f"load_format null, or stage_named_tensors payloads with load_format "
-            f"{weight_transport.SHARED_MEMORY_FORMAT!r}"
-        )
+    shared = _shared_memory_format(body)
     for i, payload in enumerate(payloads):
         if not isinstance(payload, str):
             raise RequestError(f"serialized_named_tensors[{i}] must be a {'JSON' if shared else 'base64'} string")
@@ -910,56 +915,67 @@ def _lora_endpoint(handler: Callable[[web.Request], Awaitable[dict[str, str]]]):
     return wrapped
 
 
-def _new_adapter_name(body: dict, store: lora.LoraStore) -> str:
+async def _adapter_load_request(request: web.Request) -> tuple[CpuEngine, lora.LoraStore, dict, str]:
+    """The engine, its adapter store, the body and the new adapter's name (checked free before anything is read)."""
+    engine = request.app[_ENGINE]
+    store = engine.lora_store()
+    body = await _json_body(request)
     name = _field(body, "lora_name", str)
     if not name:
         raise RequestError("lora_name is empty; name the adapter (requests use the name in lora_path)")
-    store.check_free(name)  # before reading anything; the worker checks again when it adds the adapter
-    return name
+    store.check_free(name)  # the worker checks again when it adds the adapter
+    return engine, store, body, name
+
+
+async def _hold_adapter(engine: CpuEngine, build: Callable[[], lora.LoraAdapter]) -> dict[str, str]:
+    """Build the adapter off the event loop (reads and checks), then hold it from the next step on."""
+    adapter = await asyncio.to_thread(build)
+    return await asyncio.wrap_future(engine.add_lora_adapter(adapter))
 
 
 @_lora_endpoint
 async def load_lora_adapter(request: web.Request) -> dict[str, str]:
-    engine = request.app[_ENGINE]
-    store = engine.lora_store()
-    body = await _json_body(request)
-    name = _new_adapter_name(body, store)
+    engine, store, body, name = await _adapter_load_request(request)
     path = _field(body, "lora_path", str)
     _field(body, "pinned", bool, False)  # every adapter stays resident here: there is nothing to pin against
 
-    def read() -> lora.LoraAdapter:
+    def build() -> lora.LoraAdapter:
         config, tensors = lora.read_adapter_folder(path, store.max_adapter_bytes())
         return store.build(name, path, config, tensors)
 
-    adapter = await asyncio.to_thread(read)
-    return await asyncio.wrap_future(engine.add_lora_adapter(adapter))
+    return await _hold_adapter(engine, build)
 
 
 @_lora_endpoint
 async def load_lora_adapter_from_tensors(request: web.Request) -> dict[str, str]:
-    engine = request.app[_ENGINE]
-    store = engine.lora_store()
-    body = await _json_body(request)
-    name = _new_adapter_name(body, store)
+    engine, store, body, name = await _adapter_load_request(request)
     config = _field(body, "config_dict", dict)
     payload = _field(body, "serialized_tensors", str)
-    load_format = _field(body, "load_format", str, None)
-    if load_format not in (None, "direct"):
-        raise RequestError(
-            f"load_format={load_format!r} is not supported; send serialize_named_tensors output with load_format null"
-        )
+    shared = _shared_memory_format(body)
     if _field(body, "added_tokens_config", dict, None):
         raise RequestError("added_tokens_config is not supported: adapters cannot add tokens here; send null")
 
-    def read() -> lora.LoraAdapter:
+    copied: list[tuple[str, torch.Tensor]] = []
+    if shared:  # a colocated trainer's segment: copied out on the worker thread, the one that uses `segments`
+        tag = weight_transport.segment_tag(request.app[_STATE]["args"].api_key)
         try:
-            tensors = weight_transport.deserialize_named_tensors(payload)
+            parsed = weight_transport.parse_shared_payload(payload, tag)
+            segments = request.app[_STATE]["segments"]
+            copy_out = engine.call(lambda: [(n, view.clone()) for n, view in segments.named_tensors(parsed)])
+            copied = await asyncio.wrap_future(copy_out)
+        except ValueError as error:
+            raise RequestError(f"serialized_tensors: {error}") from None
+
+    def build() -> lora.LoraAdapter:
+        if shared:
+            return store.build(name, name, config, copied)
+        try:
+            named = weight_transport.deserialize_named_tensors(payload)
         except ValueError as error:
             raise RequestError(f"serialized_tensors could not be unpacked: {error}") from None
-        return store.build(name, name, config, tensors)
+        return store.build(name, name, config, named)
 
-    adapter = await asyncio.to_thread(read)
-    return await asyncio.wrap_future(engine.add_lora_adapter(adapter))
+    return await _hold_adapter(engine, build)
 
 
 @_lora_endpoint

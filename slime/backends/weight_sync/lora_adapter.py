@@ -5,9 +5,10 @@ not: training rank 0 posts it to every engine's `/load_lora_adapter_from_tensors
 `/unload_lora_adapter` of the previous one), then sets the engines' weight version (`/update_weight_version`), the
 label rollouts record and staleness counts. The base weights the engines loaded at start never change.
 
-The tensors are pickled for the engine that reads them: slime's by-value form for the CPU engine (its restricted
-unpickler, `serialize_named_tensors`), torch's own by-value pickling for SGLang, whose restricted unpickler admits
-torch's globals only.
+The tensors travel in the form the engine reads: to a colocated CPU engine through a shared-memory segment the
+trainer keeps (`stage_named_tensors`; the engine copies the adapter out, so the same segment serves every push);
+otherwise pickled, in slime's by-value form for the CPU engine (its restricted unpickler, `serialize_named_tensors`)
+or in torch's own by-value pickling for SGLang, whose restricted unpickler admits torch's globals only.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from slime.backends.weight_sync.base import WeightTransport, call_engine
 from slime.utils.engine_args import CPU_ENGINE_CONTROL_MAX_BODY_BYTES
 from slime.utils.lora import POLICY_ADAPTER
 from slime.utils.weight_sync import Bucket
-from slime.utils.weight_transport import serialize_named_tensors
+from slime.utils.weight_transport import SHARED_MEMORY_FORMAT, serialize_named_tensors, stage_named_tensors
+
+# The segment chunk index of the adapter: its own, beside those of full-weight pushes.
+_ADAPTER_CHUNK = -1
 
 
 class LoraAdapterTransport(WeightTransport):
@@ -31,19 +35,31 @@ class LoraAdapterTransport(WeightTransport):
     Args:
         config: The adapter's `adapter_config.json` contents (rank, alpha, target modules).
         rollout_backend: "cpu" (slime's CPU engine) or "sglang": how the tensors are pickled.
+        shared_memory: Send through a shared-memory segment (a colocated CPU engine) instead of a pickle.
+        segment_tag: The job's `segment_tag` for that segment's name (from the engines' API key).
     """
 
     adapter = POLICY_ADAPTER
 
-    def __init__(self, config: dict, rollout_backend: str = "cpu"):
+    def __init__(
+        self, config: dict, rollout_backend: str = "cpu", shared_memory: bool = False, segment_tag: str | None = None
+    ):
         self.config = config
         self.rollout_backend = rollout_backend
+        self.shared_memory = shared_memory
+        self.segment_tag = segment_tag
 
     def push(self, buckets: Iterable[Bucket], version: str) -> None:
         tensors = [(name, tensor.cpu()) for bucket in buckets for name, tensor in bucket]  # every rank: a collective
         if self.rank != 0:
             return
-        payload = self._payload(tensors)
+        if self.shared_memory:
+            payload, load_format = (
+                stage_named_tensors(tensors, _ADAPTER_CHUNK, tag=self.segment_tag),
+                SHARED_MEMORY_FORMAT,
+            )
+        else:
+            payload, load_format = self._payload(tensors), None
 
         def replace(engine) -> None:
             # Not loaded yet on a new (or restarted) engine: the unload is refused and the load goes on.
@@ -55,6 +71,7 @@ class LoraAdapterTransport(WeightTransport):
                 lora_name=self.adapter,
                 config_dict=self.config,
                 serialized_tensors=payload,
+                load_format=load_format,
             )
             call_engine(engine, "update_weight_version", new_version=version)
 

@@ -31,7 +31,8 @@ def choose_transport(
 
     - `--colocate`: tensors on this host; through sealed shared-memory segments when the trainer's tensors are on CPU
       (`SharedMemoryTransport`), as CUDA IPC handles otherwise or where there is no memfd (`CudaIpcTransport`).
-    - `--lora-rank`: only the adapter, in the request body, whatever the layout (`LoraAdapterTransport`).
+    - `--lora-rank`: only the adapter (`LoraAdapterTransport`): through a shared-memory segment to a colocated CPU
+      engine, in the request body otherwise.
     - `--update-weight-transport disk`: a HF folder the engines load (`DiskTransport`).
     - otherwise: a broadcast from training rank 0 over a group with every engine rank (`BroadcastTransport`).
 
@@ -44,7 +45,9 @@ def choose_transport(
         adapter_config: The trained LoRA adapter's PEFT config (`--lora-rank`), None when the full weights train.
     """
     if adapter_config is not None:
-        return LoraAdapterTransport(adapter_config, args.rollout_backend)
+        colocated_cpu = args.colocate and args.rollout_backend == "cpu" and shared_memory_available()
+        tag = segment_tag(engine_api_key(args))
+        return LoraAdapterTransport(adapter_config, args.rollout_backend, shared_memory=colocated_cpu, segment_tag=tag)
     gpus_per_engine = args.rollout_num_gpus_per_engine
     if args.colocate:
         if device.type != "cuda" and shared_memory_available():
