@@ -11,6 +11,11 @@ from __future__ import annotations
 import argparse
 
 POLICY_ADAPTER = "slime-policy"
+# A PEFT adapter folder: its config and its weights (safetensors only; slime never reads adapter_model.bin).
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+# The adapter's PEFT folder inside each checkpoint iteration of a LoRA run.
+CHECKPOINT_ADAPTER_DIR = "adapter"
 
 
 def lora_enabled(args: argparse.Namespace) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from slime.utils import atomic_dir, run_dir
+from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, CHECKPOINT_ADAPTER_DIR
 
 
 def checkpoint_adapter(load: str | Path, step: int | None = None) -> Path | None:
@@ -24,8 +25,8 @@ def checkpoint_adapter(load: str | Path, step: int | None = None) -> Path | None
         step = run_dir.committed_step(load)
         if step is None:
             raise ValueError(f"--load {load} has no {run_dir.tracker_file(load).name}; pass --ckpt-step")
-    adapter = run_dir.iteration_dir(load, step) / "adapter"
-    return adapter if (adapter / "adapter_config.json").is_file() else None
+    adapter = run_dir.iteration_dir(load, step) / CHECKPOINT_ADAPTER_DIR
+    return adapter if (adapter / ADAPTER_CONFIG_FILE).is_file() else None
 
 
 def export_adapter(
@@ -57,7 +58,7 @@ def export_adapter(
             merged = merged.to(getattr(torch, dtype))
         merged.save_pretrained(staging, safe_serialization=True)
     else:
-        for name in ("adapter_config.json", "adapter_model.safetensors"):
+        for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
             shutil.copyfile(Path(adapter) / name, staging / name)
     AutoTokenizer.from_pretrained(hf_checkpoint).save_pretrained(staging)
     return atomic_dir.publish(staging, output_dir, "hf-export", "--output-dir")

@@ -22,12 +22,11 @@ import torch.nn.functional as F
 from safetensors.torch import load as load_safetensors
 
 from slime.backends.cpu_engine.weights import read_regular_file
+from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 SAVED_PREFIX = "base_model.model."
 # PEFT's spelling of "every linear layer but the output one", and SGLang's (for --lora-target-modules).
 ALL_LINEAR = ("all-linear", "all")
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 # adapter_config.json fields that change the forward pass in ways not implemented here; each is accepted only
 # at a neutral value (null, false, {} or []).
@@ -154,7 +153,9 @@ def parse_adapter_config(config: Any, max_rank: int | None = None) -> AdapterCon
         ValueError: naming the field and what to send instead.
     """
     if not isinstance(config, dict):
-        raise ValueError(f"the adapter config must be a JSON object ({CONFIG_FILE}), got {type(config).__name__}")
+        raise ValueError(
+            f"the adapter config must be a JSON object ({ADAPTER_CONFIG_FILE}), got {type(config).__name__}"
+        )
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"adapter config peft_type={peft_type!r}: only LoRA adapters (peft_type 'LORA') are served")
@@ -288,7 +289,8 @@ def build_adapter(
         layout: The model's `linear_layout`.
         max_rank: `--max-lora-rank`, None for no limit.
         allowed: `--lora-target-modules`, None for all.
-        dtype: The model's dtype; the tensors are copied into it.
+        dtype: The model's dtype; each tensor is copied into it once, before its values are checked (so a view of
+            memory another process writes, such as a shared-memory segment, cannot change after the check).
 
     Raises:
         ValueError: naming the field, tensor or module at fault and the fix.
@@ -320,19 +322,17 @@ def build_adapter(
                 f"adapter tensor {tensor_name!r} has shape {list(tensor.shape)}, expected {list(expected)} "
                 f"(lora_A is [r, in_features], lora_B [out_features, r], r={parsed.rank} from the config)"
             )
-        if not bool(torch.isfinite(tensor).all()):
+        owned = tensor.to(dtype, copy=True).contiguous()
+        if not bool(torch.isfinite(owned).all()):
             raise ValueError(f"adapter tensor {tensor_name!r} holds NaN or infinite values")
-        parts[module][kind] = tensor
+        parts[module][kind] = owned
     missing = [f"{SAVED_PREFIX}{m}.lora_{k}.weight" for m in sorted(targets) for k in "AB" if k not in parts.get(m, {})]
     if missing:
         raise ValueError(
             f"the adapter lacks {len(missing)} tensor(s) of the modules its config targets, e.g. {missing[:4]}; "
             "send both lora_A and lora_B of every targeted module"
         )
-    weights = {
-        module: (pair["A"].to(dtype).contiguous().clone(), pair["B"].to(dtype).contiguous().clone())
-        for module, pair in parts.items()
-    }
+    weights = {module: (pair["A"], pair["B"]) for module, pair in parts.items()}
     return LoraAdapter(name=name, source=source, rank=parsed.rank, scaling=parsed.scaling, weights=weights)
 
 
@@ -346,19 +346,19 @@ def read_adapter_folder(path: str | Path, max_bytes: int) -> tuple[Any, list[tup
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(
-            f"lora_path {str(path)!r} is not a directory; pass a PEFT adapter folder ({CONFIG_FILE} + {WEIGHTS_FILE})"
+            f"lora_path {str(path)!r} is not a directory; pass a PEFT adapter folder ({ADAPTER_CONFIG_FILE} + {ADAPTER_WEIGHTS_FILE})"
         )
-    weights_file = folder / WEIGHTS_FILE
+    weights_file = folder / ADAPTER_WEIGHTS_FILE
     if not weights_file.exists() and (folder / "adapter_model.bin").exists():
         raise ValueError(
             f"lora_path {str(path)!r} holds adapter_model.bin, a pickle, which the engine never loads; "
             "save the adapter with save_pretrained(..., safe_serialization=True) to get adapter_model.safetensors"
         )
-    raw_config = read_regular_file(folder / CONFIG_FILE, max_bytes=2**20)
+    raw_config = read_regular_file(folder / ADAPTER_CONFIG_FILE, max_bytes=2**20)
     try:
         config = json.loads(raw_config)
     except ValueError as error:
-        raise ValueError(f"{folder / CONFIG_FILE} is not valid JSON: {error}") from None
+        raise ValueError(f"{folder / ADAPTER_CONFIG_FILE} is not valid JSON: {error}") from None
     raw_weights = read_regular_file(weights_file, max_bytes)
     try:
         tensors = load_safetensors(raw_weights)

@@ -955,20 +955,19 @@ async def load_lora_adapter_from_tensors(request: web.Request) -> dict[str, str]
     if _field(body, "added_tokens_config", dict, None):
         raise RequestError("added_tokens_config is not supported: adapters cannot add tokens here; send null")
 
-    copied: list[tuple[str, torch.Tensor]] = []
-    if shared:  # a colocated trainer's segment: copied out on the worker thread, the one that uses `segments`
+    views: list[tuple[str, torch.Tensor]] = []
+    if shared:  # a colocated trainer's segment: mapped on the worker thread, the one that uses `segments`
         tag = weight_transport.segment_tag(request.app[_STATE]["args"].api_key)
         try:
             parsed = weight_transport.parse_shared_payload(payload, tag)
             segments = request.app[_STATE]["segments"]
-            copy_out = engine.call(lambda: [(n, view.clone()) for n, view in segments.named_tensors(parsed)])
-            copied = await asyncio.wrap_future(copy_out)
+            views = await asyncio.wrap_future(engine.call(lambda: segments.named_tensors(parsed)))
         except ValueError as error:
             raise RequestError(f"serialized_tensors: {error}") from None
 
     def build() -> lora.LoraAdapter:
-        if shared:
-            return store.build(name, name, config, copied)
+        if shared:  # `build` copies each view before checking it: the trainer may rewrite the segment later
+            return store.build(name, name, config, views)
         try:
             named = weight_transport.deserialize_named_tensors(payload)
         except ValueError as error:

@@ -50,6 +50,7 @@ from slime.backends.fsdp_utils.model import gather_full_state_dict, reshard, sav
 from slime.utils import atomic_dir, run_dir
 from slime.utils.checkpoint_safety import check_checkpoint
 from slime.utils.device import cuda_available
+from slime.utils.lora import CHECKPOINT_ADAPTER_DIR
 from slime.utils.misc import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def save_checkpoint(
     if adapter_only:
         tensors = dict(lora.adapter_tensors(model))
         if rank == 0:
-            lora.save_adapter_folder(model, tensors, os.path.join(tmp_dir, "adapter"))
+            lora.save_adapter_folder(model, tensors, os.path.join(tmp_dir, CHECKPOINT_ADAPTER_DIR))
     if save_optimizer:
         dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(tmp_dir, "optim"))
     torch.save(rng_state(), os.path.join(tmp_dir, "rng", f"rank_{rank:05d}.pt"))

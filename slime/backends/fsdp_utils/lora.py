@@ -20,10 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import reshard
-from slime.utils.lora import saved_adapter_name
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, saved_adapter_name
 
 
 def apply_lora(model: nn.Module, args: Namespace) -> PeftModel:
@@ -68,11 +65,6 @@ def adapter_config(model: PeftModel) -> dict:
     return json.loads(json.dumps(config, default=str))
 
 
-def adapter_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the adapter's parameters in the live model (the trainable ones)."""
-    return [name for name, param in model.named_parameters() if param.requires_grad]
-
-
 def adapter_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(PEFT saved name, full adapter tensor), a collective over the FSDP group: every rank iterates to the end."""
     reshard(model)
@@ -86,9 +78,9 @@ def save_adapter_folder(model: PeftModel, tensors: dict[str, torch.Tensor], path
     """Write a PEFT adapter folder (`peft.PeftModel.from_pretrained` loads it) from `adapter_tensors`' output."""
     os.makedirs(path, exist_ok=True)
     save_file(
-        {name: tensor.cpu().contiguous() for name, tensor in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS)
+        {name: tensor.cpu().contiguous() for name, tensor in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS_FILE)
     )
-    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+    with open(os.path.join(path, ADAPTER_CONFIG_FILE), "w") as f:
         json.dump(adapter_config(model), f, indent=2)
 
 

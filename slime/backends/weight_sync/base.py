@@ -55,9 +55,12 @@ class WeightTransport:
         staged: Whether `stage` consumes the buckets (disk: writes them out), so the engines pause only for
             `push`, which rank 0 alone runs; otherwise `push` sends the buckets as they are produced, every
             rank taking part, with the engines paused throughout.
+        adapter: The LoRA adapter the transport pushes (the engines serve it under this name), or None when it
+            pushes the model's weights.
     """
 
     every_rank_sends: bool = False
+    adapter: str | None = None
     staged: bool = False
 
     def connect(self, engines: list, engine_urls: list[str], rank: int, world_size: int) -> None:

@@ -176,7 +176,7 @@ class WeightUpdater:
     def check(self, probe: list[int], trainer_log_probs: torch.Tensor) -> float:
         """Largest gap between each engine's log-probs of `probe` and the trainer's (`check_engines_match`), under
         the adapter the transport pushes, if any."""
-        adapter = getattr(self.transport, "adapter", None)
+        adapter = self.transport.adapter if self.transport is not None else None
         return check_engines_match(self.engines, probe, trainer_log_probs, self.version, adapter)
 
     def close(self) -> None:

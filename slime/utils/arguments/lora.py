@@ -7,6 +7,7 @@ import json
 import os
 
 from slime.utils.arguments.errors import _fail
+from slime.utils.lora import ADAPTER_CONFIG_FILE
 
 
 def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +119,7 @@ def _validate_adapter_folder(args: argparse.Namespace) -> None:
     """`--lora-adapter-path` holds a PEFT adapter of the rank, alpha and targets the flags give (the engines are
     started from the flags)."""
     path = args.lora_adapter_path
-    config_file = os.path.join(path, "adapter_config.json")
+    config_file = os.path.join(path, ADAPTER_CONFIG_FILE)
     if not os.path.isfile(config_file):
         _fail(
             f"--lora-adapter-path {path} is not a PEFT adapter folder (no adapter_config.json); point it at a "
