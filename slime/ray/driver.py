@@ -152,6 +152,10 @@ def train_one_rollout(run: TrainingRun, rollout_id: int, data_refs: list) -> dic
     return metrics
 
 
+# Pushes per weight update while engines keep dying under it (each retry follows a restart).
+_PUSH_ATTEMPTS = 3
+
+
 def update_weights(run: TrainingRun) -> dict[str, float]:
     """Push the trainer's weights to the engines, including engines restarted by `--use-fault-tolerance`, and tell
     the rollout manager the new weight version (the fully async rollout's staleness is measured against it).
@@ -163,15 +167,17 @@ def update_weights(run: TrainingRun) -> dict[str, float]:
     """
     manager = run.rollout_manager
     restarted = ray.get(manager.engines_awaiting_weights.remote()) if run.args.use_fault_tolerance else []
-    try:
-        _push_weights(run, reconnect=bool(restarted))
-    except Exception:
-        # An engine that died after the rollout's last request or during the push: restarted (with
-        # --use-fault-tolerance; the push is then made again, to every engine) or named, with the flag.
-        restarted = ray.get(manager.replace_dead_engines.remote("updating the engines' weights"))
-        if not restarted:
-            raise
-        _push_weights(run, reconnect=True)
+    for attempt in range(_PUSH_ATTEMPTS):
+        try:
+            _push_weights(run, reconnect=bool(restarted) or attempt > 0)
+            break
+        except Exception:
+            # An engine that died after the rollout's last request or during a push (also during the push made
+            # again after a restart): restarted (with --use-fault-tolerance; the push is then made again, to every
+            # engine) or named, without the flag. A failure with no dead engine behind it is raised as it is.
+            restarted = ray.get(manager.replace_dead_engines.remote("updating the engines' weights"))
+            if not restarted or attempt == _PUSH_ATTEMPTS - 1:
+                raise
     run.weight_version += 1
     ray.get(manager.set_trainer_weight_version.remote(run.weight_version))
     if not restarted:
