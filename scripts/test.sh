@@ -5,7 +5,15 @@
 # Other arguments go to pytest (a path or -k narrows the run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.13.0 -e ".[dev,megatron]" || exit 1
+# Set-up, skipped when this checkout is already installed in this interpreter from the same package definition (the
+# stamp records both); a fresh clone always installs.
+stamp=".slime-test-install"
+want="$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1) $(python3 -c 'import sys; print(sys.prefix)')"
+installed_here=$(cd / && python3 -c 'import pathlib, slime; print(pathlib.Path(slime.__file__).resolve().parents[1])' 2>/dev/null)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ "$installed_here" != "$(pwd -P)" ]; then
+    python3 -m pip install -q torch==2.13.0 -e ".[dev,megatron]" || exit 1
+    echo "$want" > "$stamp"
+fi
 paths=()
 if [ "${1:-}" = "--fast" ]; then
     shift

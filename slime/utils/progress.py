@@ -26,18 +26,22 @@ class ProgressState:
     done: bool = False
 
 
-# Finished bars nobody has read yet are kept up to this many (oldest dropped), so a driver that never polls
-# does not make the registry grow with every rollout.
+# Finished bars nobody has read yet are kept up to this many (the earliest finished dropped), so a driver that never
+# polls does not make the registry grow with every rollout.
 MAX_UNREAD_FINISHED = 64
 
 _lock = threading.Lock()
 _states: dict[str, ProgressState] = {}
+# The keys of finished, unread bars in the order they finished (a long bar finishing now is the newest, though it
+# started first).
+_finished: dict[str, None] = {}
 
 
 def start(key: str, desc: str, total: int | None, unit: str = "it") -> None:
     """Begin the bar `key` at 0 (replacing a bar of the same key); `total` None when unknown."""
     with _lock:
         _states.pop(key, None)  # re-inserted last, so snapshots list bars in the order they started
+        _finished.pop(key, None)
         _states[key] = ProgressState(key=key, desc=desc, n=0, total=total, unit=unit)
 
 
@@ -56,9 +60,10 @@ def finish(key: str) -> None:
         if state is None or state.done:
             return
         state.done = True
-        finished = [k for k, s in _states.items() if s.done]
-        for old in finished[: max(0, len(finished) - MAX_UNREAD_FINISHED)]:
-            del _states[old]
+        _finished[key] = None
+        while len(_finished) > MAX_UNREAD_FINISHED:
+            earliest = next(iter(_finished))
+            del _finished[earliest], _states[earliest]
 
 
 def snapshot() -> list[ProgressState]:
@@ -66,7 +71,7 @@ def snapshot() -> list[ProgressState]:
     finished) and is then forgotten, so the one reader, the driver, draws it to its end once."""
     with _lock:
         states = [dataclasses.replace(s) for s in _states.values()]
-        for s in states:
-            if s.done:
-                del _states[s.key]
+        for key in _finished:
+            del _states[key]
+        _finished.clear()
     return states

@@ -445,7 +445,8 @@ def test_unload_aborts_the_requests_that_use_it(server, adapters):
     other, other_result = _in_thread(
         generate_ok, server, {"input_ids": PROMPT, "lora_path": "a1", "sampling_params": long}
     )
-    _wait_for(lambda: state()["num_generated_tokens_in_flight"] >= 2)
+    # Both admitted and decoding: under load the second may still be queued after the first's tokens.
+    _wait_for(lambda: (lambda s: s["num_running_reqs"] == 2 and s["num_generated_tokens_in_flight"] >= 2)(state()))
     client.pause_generation("in_place")  # a request sent now waits in the queue
     waiting, waiting_result = _in_thread(
         generate_ok, server, {"input_ids": OTHER_PROMPT, "lora_path": "doomed", "sampling_params": long}

@@ -98,6 +98,14 @@ def test_finished_bars_are_reported_once_and_capped(registry):
     registry.start("c/run", "running again", 5)  # a bar of the same key starts over
     (again,) = mine(registry.snapshot(), "c/").values()
     assert (again.desc, again.n, again.total) == ("running again", 0, 5)
+
+    # The cap drops the bars that finished earliest: a long bar that started first and finishes last is kept.
+    for i in range(progress.MAX_UNREAD_FINISHED):
+        registry.start(f"c/short{i}", "short", 1)
+        registry.finish(f"c/short{i}")
+    registry.finish("c/run")
+    states = mine(registry.snapshot(), "c/")
+    assert states["c/run"].done and "c/short0" not in states and len(states) == progress.MAX_UNREAD_FINISHED
     registry.finish("c/run")
 
 

@@ -15,10 +15,10 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors import safe_open
 from support.engines import engine_prompt_log_probs, engine_server
 from support.fsdp import make_rollout
+from support.ranks import spawn_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
@@ -253,7 +253,7 @@ def test_world_size_two_disk_push(tiny_model_dir, engine, tmp_path):
     data = make_rollout(8, seed=3)
     per_sample = {key: value for key, value in data.items() if isinstance(value, list)}
     shards = split_train_data_by_dp(args, per_sample, 2)
-    mp.spawn(_ws2_worker, args=(find_free_port(), args, shards, url, str(tmp_path)), nprocs=2)
+    spawn_ranks(_ws2_worker, (find_free_port(), args, shards, url, str(tmp_path)), nprocs=2)
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)
     expected = plain_prompt_log_probs(plain_model(weights, tiny_model_dir), PROBE)
     gap = (engine_prompt_log_probs(client, PROBE) - expected).abs().max().item()

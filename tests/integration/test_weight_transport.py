@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 from support.engines import REPO_ROOT, engine_server
+from support.ranks import rank_process_context
 from transformers import AutoModelForCausalLM
 
 from slime.backends.sglang_utils.http_client import EngineClient
@@ -65,11 +66,12 @@ def _as_plain(named_tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, 
 
 
 def _run(targets: list[tuple]) -> list:
-    """Run each (function, args) in a spawned process that puts one result on the queue it gets last.
+    """Run each (function, args) in a fresh process (forked from the preloaded fork server, support.ranks) that puts
+    one result on the queue it gets last.
 
     Returns the results in target order; fails if a process errs or hangs.
     """
-    context = torch.multiprocessing.get_context("spawn")
+    context = rank_process_context()
     queues = [context.Queue() for _ in targets]
     processes = [context.Process(target=fn, args=(*args, queue)) for (fn, args), queue in zip(targets, queues)]
     for process in processes:

@@ -11,16 +11,18 @@ import json
 import os
 from argparse import Namespace
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import reshard
 from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, saved_adapter_name
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def apply_lora(model: nn.Module, args: Namespace) -> PeftModel:
@@ -32,6 +34,9 @@ def apply_lora(model: nn.Module, args: Namespace) -> PeftModel:
     Raises:
         ValueError: a target matches no module.
     """
+    # peft costs ~2 s of imports: only trainers with an adapter pay them.
+    from peft import LoraConfig, PeftModel, get_peft_model
+
     path = args.lora_adapter_path
     if path is not None:
         return PeftModel.from_pretrained(model, path, is_trainable=True)
@@ -91,6 +96,8 @@ def reference_log_probs(model: nn.Module, forward):
     and an FSDP2 unit whose first forward sees no trainable parameter never sets up its gradient dtypes (with
     --bf16 the first backward then fails).
     """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
     states = [layer._disable_adapters for layer in layers]
     for layer in layers:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import re
 import shutil
 from pathlib import Path
@@ -183,6 +184,7 @@ def save_checkpoint(
     state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, **(extra_state or {}))
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    _keep_write_results_in_process()
     dist_checkpointing.save(state, str(tmp_dir))
     _barrier()
 
@@ -192,6 +194,17 @@ def save_checkpoint(
             write_tracker(root, iteration)
     _barrier()
     return final_dir
+
+
+def _keep_write_results_in_process() -> None:
+    """Collect the shard writers' results in a plain queue instead of megatron-core's default, a Manager process
+    started with `spawn` in every rank that saves (1-2 s of a core to start, ~280 MB, and it outlives a rank that
+    ends with `os._exit`). slime saves synchronously (`--async-save` is refused), so the results are put and read
+    in this process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def has_checkpoint(path: str | Path | None) -> bool:

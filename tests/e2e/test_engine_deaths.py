@@ -1,7 +1,8 @@
 """Engines and the router SIGKILLed at each moment of a step, with --use-fault-tolerance: the driver's own steps
 (slime.ray.driver's weight push, the rollout manager's offload, onload, eval and generate) on one colocated run in
 this process (two trainer ranks, each sharing its slot with a CPU engine, behind the real router, on the session's Ray
-cluster; the weights go through shared memory)."""
+cluster; the weights go through shared memory). A whole run built by the driver's own `create_training_run`, killed
+and recovered five times: the e2e tier, with the other fault-injection runs."""
 
 from __future__ import annotations
 
