@@ -34,11 +34,18 @@ current weights, the training forward itself, or the kept weights that generated
 `--custom-*-path` hooks the recipe calls; and, for the actor, a `WeightUpdater` (slime.backends.weight_sync)
 whose transport is chosen when the engines connect.
 
+LoRA (`--lora-rank`, `self.lora`): the actor trains an adapter on its frozen base. What that changes is decided here,
+for both backends: the reference model is the base itself (`reference_is_base`: the adapter switched off, no
+reference weights), a weight update pushes only the adapter (PEFT saved names, `LoraAdapterTransport`), and
+`--save-hf` writes a PEFT adapter folder. The backend builds the adapter and keeps it (and its optimizer state) in
+its checkpoints, with a PEFT folder `iter_XXXXXXX/adapter/` beside.
+
 A backend (fsdp_utils, megatron_utils) subclasses `TrainRayActor` and supplies what differs: `_build`
-(model, optimizer, loading), `_micro_batches`, `_forward_log_probs` / `_forward_values`, `_step_gradients`
-and `_optimizer_step` (one optimizer step), `_snapshot_weights` / `_load_weights`, `_hf_weight_buckets`,
-`_probe_micro_batches`, `_save_checkpoint` / `_save_hf`, `offload` / `onload`, and `loss_functions`. It
-lives beside the backends, not in slime/ray, because they build on it and layers only import downward.
+(model, optimizer, loading; the adapter under LoRA), `_micro_batches`, `_forward_log_probs` / `_forward_values`,
+`_step_gradients` and `_optimizer_step` (one optimizer step), `_snapshot_weights` / `_load_weights`,
+`_model_weight_buckets`, `_probe_micro_batches`, `_save_checkpoint` / `_save_hf`, `offload` / `onload`, and
+`loss_functions`; under LoRA also `_adapter_tensors`, `_adapter_config` and `_adapters_disabled`. It lives beside
+the backends, not in slime/ray, because they build on it and layers only import downward.
 """
 
 from __future__ import annotations
@@ -64,9 +71,11 @@ from slime.algorithms.policy_losses import loss_kind
 from slime.backends.weight_sync import WeightUpdater, choose_transport
 from slime.utils.device import cuda_available, distributed_backend
 from slime.utils.http_utils import find_free_port
+from slime.utils.lora import lora_enabled
+from slime.utils.lora_export import save_adapter_export
 from slime.utils.misc import load_function, load_pretrained, release_free_host_memory
 from slime.utils.perf import ModelShape, PhaseTimer, device_peak_tflops, forward_flops, peak_memory_gb
-from slime.utils.weight_sync import probe_tokens
+from slime.utils.weight_sync import Bucket, bucket_named_tensors, probe_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +301,10 @@ class TrainRayActor:
             raise ValueError("--use-kl-loss / --kl-coef need reference log-probs: init the actor with with_ref=True")
         self.args, self.role = args, role
         self.ref_weights: Weights | None = None  # set by `_build` when with_ref
-        self.reference_is_base = False  # set by `_build` under LoRA: the reference is the adapter switched off
+        # --lora-rank: the actor trains an adapter on its frozen base, which is also the reference model (the adapter
+        # switched off), so no reference weights are kept.
+        self.lora = role == "actor" and lora_enabled(args)
+        self.reference_is_base = self.lora and with_ref
         self.actor_backup: Weights | None = None
         # --use-rollout-routing-replay: the policy's forwards route as the engines did (off for the reference)
         self.replay_routing = role == "actor" and args.use_rollout_routing_replay
@@ -321,7 +333,7 @@ class TrainRayActor:
             else None
         )
         self.peak_tflops = device_peak_tflops(args.peak_tflops)
-        return self._build(args, with_ref)
+        return self._build(args, with_ref and not self.lora)
 
     def _checkpoint_root(self, folder: str | None) -> str | None:
         """Where this role's checkpoints live under `--save` / `--load` (the critic uses a subfolder)."""
@@ -538,7 +550,11 @@ class TrainRayActor:
         return cached[1] if cached is not None and cached[0] == _shard_key(data) else None
 
     def _reference_log_probs(self, steps: list, num_samples: int) -> list[torch.Tensor]:
-        """This rank's reference log-probs (`--use-kl-loss`, `--kl-coef`): the reference weights swapped in."""
+        """This rank's reference log-probs (`--use-kl-loss`, `--kl-coef`): the reference weights swapped in, or under
+        LoRA the base model's (the adapter switched off)."""
+        if self.reference_is_base:
+            with self._adapters_disabled():
+                return self._forward_log_probs(steps, num_samples)
         return self._log_probs_with(self.ref_weights, steps, num_samples)
 
     def _log_probs_with(self, weights: Weights, steps: list, num_samples: int) -> list[torch.Tensor]:
@@ -685,8 +701,19 @@ class TrainRayActor:
         root = self._checkpoint_root(self.args.save)
         if root:
             self._save_checkpoint(root, rollout_id, update_tracker)
-        if self.hf_export:
-            self._save_hf(self.hf_export.format(rollout_id=rollout_id))
+        if not self.hf_export:
+            return
+        path = self.hf_export.format(rollout_id=rollout_id)
+        if not self.lora:
+            self._save_hf(path)
+            return
+
+        def gather() -> dict[str, torch.Tensor]:
+            return dict(self._adapter_tensors(None))
+
+        # The adapter, as a PEFT folder; tools/convert_to_hf.py --merge-lora folds it into the base.
+        args = self.args
+        save_adapter_export(path, gather, self._adapter_config(), args.hf_checkpoint, args.trust_remote_code)
 
     # ---- weight sync ---------------------------------------------------------------------------
     def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
@@ -778,12 +805,31 @@ class TrainRayActor:
         """Copy a `_snapshot_weights` result back into the model."""
         raise NotImplementedError
 
+    def _hf_weight_buckets(self, dtype: torch.dtype | None) -> Iterator[Bucket]:
+        """What a weight update sends, in buckets of `--update-weight-buffer-size` (a collective: every rank
+        iterates to the end): under LoRA only the adapter (PEFT saved names; the engines keep their base), else
+        the model's weights under HF names."""
+        if self.lora:
+            return bucket_named_tensors(self._adapter_tensors(dtype), self.args.update_weight_buffer_size)
+        return self._model_weight_buckets(dtype)
+
+    def _model_weight_buckets(self, dtype: torch.dtype | None) -> Iterator[Bucket]:
+        """The model's weights under HF names in buckets of `--update-weight-buffer-size` (a collective)."""
+        raise NotImplementedError
+
     def _adapter_config(self) -> dict | None:
-        """The LoRA adapter's PEFT config when only an adapter is trained and pushed (`--lora-rank`), else None."""
+        """The LoRA adapter's PEFT config (`adapter_config.json`) when only an adapter is trained and pushed
+        (`--lora-rank`), else None."""
         return None
 
-    def _hf_weight_buckets(self, dtype: torch.dtype | None) -> list:
-        """The model's weights under HF names in buckets of `--update-weight-buffer-size` (a collective)."""
+    def _adapter_tensors(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the whole adapter as (PEFT saved name, full tensor), cast to `dtype` unless None. A collective
+        over all training ranks (every rank iterates to the end); complete on rank 0, the rank that sends and
+        writes it (other ranks may yield part of it, or nothing)."""
+        raise NotImplementedError
+
+    def _adapters_disabled(self) -> contextlib.AbstractContextManager:
+        """LoRA: a context within which the model computes the base model's outputs (the reference)."""
         raise NotImplementedError
 
     def _probe_micro_batches(self, probe: list[int]) -> list[list]:

@@ -16,6 +16,9 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 # The adapter's PEFT folder inside each checkpoint iteration of a LoRA run.
 CHECKPOINT_ADAPTER_DIR = "adapter"
+# The HF projections the Megatron backend can adapt (`--target-modules` leaf names; all-linear means all of them).
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def lora_enabled(args: argparse.Namespace) -> bool:

@@ -1,18 +1,73 @@
-"""Export a LoRA run's checkpoint (`--lora-rank`): its PEFT adapter folder, or the base with the adapter merged in.
+"""PEFT adapter folders of a LoRA run (`--lora-rank`), for both trainers: write one, export a checkpoint's.
 
 A checkpoint of an adapter run holds `iter_XXXXXXX/adapter/` (adapter_config.json + adapter_model.safetensors, no
-pickle). `tools/convert_to_hf.py` hands such checkpoints here.
+pickle), whichever trainer wrote it. `tools/convert_to_hf.py` hands such checkpoints here: their PEFT adapter folder,
+or the base with the adapter merged in.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
 from slime.utils import atomic_dir, run_dir
 from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, CHECKPOINT_ADAPTER_DIR
+from slime.utils.misc import load_tokenizer
+
+
+def write_adapter_folder(path: str | Path, tensors: Mapping[str, torch.Tensor], config: dict) -> None:
+    """Write a PEFT adapter folder (`peft.PeftModel.from_pretrained` loads it).
+
+    Args:
+        path: The folder (created if absent).
+        tensors: PEFT saved name -> full tensor (`base_model.model.<HF module>.lora_A.weight`, ...).
+        config: The `adapter_config.json` contents.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.cpu().contiguous() for name, tensor in tensors.items()}, str(path / ADAPTER_WEIGHTS_FILE))
+    (path / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2))
+
+
+def save_adapter_export(
+    path: str | Path,
+    tensors: Callable[[], Mapping[str, torch.Tensor]],
+    config: dict,
+    tokenizer_path: str | None,
+    trust_remote_code: bool = False,
+) -> None:
+    """`--save-hf` under `--lora-rank`: a PEFT adapter folder (and the tokenizer), atomically. A collective: every
+    training rank calls it; rank 0 writes.
+
+    Args:
+        path: The output folder: absent, or an earlier slime export (replaced whole).
+        tensors: Gathers the whole adapter (a collective every rank joins; only rank 0's result is written).
+        config: The `adapter_config.json` contents.
+        tokenizer_path: The folder of the tokenizer to copy in (`--hf-checkpoint`), or None.
+        trust_remote_code: `--trust-remote-code`.
+
+    Raises:
+        FileExistsError: `path` exists and slime did not write it (checked before any work).
+    """
+    import torch.distributed as dist
+
+    path = Path(path).absolute()
+    atomic_dir.on_rank0(atomic_dir.check_replaceable, path, "--save-hf")
+    gathered = tensors()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        staging = atomic_dir.create_staging(path, "hf-export", "--save-hf")
+        write_adapter_folder(staging, gathered, config)
+        if tokenizer_path is not None:
+            load_tokenizer(tokenizer_path, trust_remote_code).save_pretrained(str(staging))
+        atomic_dir.publish(staging, path, "hf-export", "--save-hf")
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def checkpoint_adapter(load: str | Path, step: int | None = None) -> Path | None:

@@ -1,4 +1,4 @@
-"""A LoRA GRPO run of train.py on CPU (`--lora-rank`): the engines serve the adapter being trained.
+"""A LoRA GRPO run of train.py on CPU (`--lora-rank`), on each trainer: the engines serve the adapter being trained.
 
 What rides on the one run: each push sends only the adapter and the engine's log-probs under it equal the trainer's
 (`--check-lora-weight-equal`, every push); the samples were generated under the weight version each push set; the
@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from peft import PeftModel
 from support.runs import run_training, saved_samples, small_run_flags, write_addition_prompts
 from transformers import AutoModelForCausalLM
 
 
-def test_train_py_trains_a_lora_adapter_the_engines_serve(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "backend", [["--train-backend", "fsdp"], ["--train-backend", "megatron", "--transformer-impl", "local"]],
+    ids=["fsdp", "megatron"],
+)  # fmt: skip
+def test_train_py_trains_a_lora_adapter_the_engines_serve(tiny_model_dir, tmp_path, backend):
     save = tmp_path / "run"
     rows = run_training(
         "train.py", save,
         *small_run_flags(tiny_model_dir, write_addition_prompts(tmp_path / "prompts.jsonl"), save),
         "--num-rollout", "2", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "5e-2",
-        "--use-kl-loss", "--kl-loss-coef", "0.1", "--check-lora-weight-equal", "--save-interval", "2",
+        "--use-kl-loss", "--kl-loss-coef", "0.1", "--check-lora-weight-equal", "--save-interval", "2", *backend,
     )  # fmt: skip
     assert len(rows) == 2
     # The first push (version 1) came before rollout 0, the second after its step: each rollout ran on its version.

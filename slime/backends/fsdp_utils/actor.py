@@ -13,6 +13,7 @@ forward itself when nothing reads them earlier (`fuses_old_log_probs`): one forw
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from argparse import Namespace
@@ -46,12 +47,11 @@ from slime.backends.fsdp_utils.update_weight import full_parameter_buckets
 from slime.backends.train_actor import TrainRayActor, Weights
 from slime.utils.arguments import FSDP_ATTENTION_BACKENDS
 from slime.utils.device import cuda_available
-from slime.utils.lora import lora_enabled
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
 from slime.utils.moe_routing import HFRouters
 from slime.utils.ppo_utils import compute_log_probs
-from slime.utils.weight_sync import Bucket, bucket_named_tensors
+from slime.utils.weight_sync import Bucket
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +87,8 @@ class FSDPTrainRayActor(TrainRayActor):
             trust_remote_code=args.trust_remote_code,
         )
         self.attn_implementation = model.config._attn_implementation
-        # --lora-rank: the actor trains an adapter on its frozen base, which is also the reference model.
-        self.lora = lora_enabled(args) and self.role == "actor"
-        if self.lora:
+        if self.lora:  # --lora-rank: an adapter on the frozen base (the reference is the base: TrainRayActor)
             model = lora.apply_lora(model, args)
-            self.reference_is_base = with_ref
-            with_ref = False
         # the probe of `check_weights_equal` (actor only: the critic's ValueModel has no LM embeddings API)
         self.vocab_size = None if self.value_head else model.get_input_embeddings().weight.shape[0]
         if args.only_train_params_name_list or args.freeze_params_name_list:
@@ -138,11 +134,6 @@ class FSDPTrainRayActor(TrainRayActor):
         if is_hf_folder(ref_load):
             return shard_full_state_dict(self.model, read_hf_state_dict(ref_load, "actor"))
         return checkpoint.read_checkpoint_shards(ref_load, self.model, self.args.ref_ckpt_step)
-
-    def _reference_log_probs(self, steps: Steps, num_samples: int) -> list:
-        if self.lora:  # the base model is the reference: the adapter switched off
-            return lora.reference_log_probs(self.model, lambda: self._forward_log_probs(steps, num_samples))
-        return super()._reference_log_probs(steps, num_samples)
 
     def _snapshot_weights(self, into: Weights | None = None) -> Weights:
         return snapshot_local_shards(self.model, into=into)
@@ -273,18 +264,20 @@ class FSDPTrainRayActor(TrainRayActor):
         )
 
     def _save_hf(self, path: str) -> None:
-        if self.lora:  # --save-hf writes the adapter (a PEFT folder); tools/convert_to_hf.py can merge it
-            checkpoint.save_adapter_export(self.model, path, self.args.hf_checkpoint, self.args.trust_remote_code)
-            return
         checkpoint.save_hf_checkpoint(self.model, path, self.args.hf_checkpoint, self.args.trust_remote_code)
 
-    def _hf_weight_buckets(self, dtype: torch.dtype | None) -> Iterator[Bucket]:
-        if self.lora:  # only the adapter travels; the engines keep the base they loaded
-            return bucket_named_tensors(lora.adapter_tensors(self.model, dtype), self.args.update_weight_buffer_size)
+    def _model_weight_buckets(self, dtype: torch.dtype | None) -> Iterator[Bucket]:
         return full_parameter_buckets(self.model, self.args.update_weight_buffer_size, dtype)
 
+    # ---- LoRA (--lora-rank; what it changes is TrainRayActor's) ----------------------------------
     def _adapter_config(self) -> dict | None:
         return lora.adapter_config(self.model) if self.lora else None
+
+    def _adapter_tensors(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        return lora.adapter_tensors(self.model, dtype)
+
+    def _adapters_disabled(self) -> contextlib.AbstractContextManager:
+        return lora.adapters_disabled(self.model)
 
     # ---- offload -------------------------------------------------------------------------------
     def offload(self) -> int:

@@ -51,7 +51,7 @@ from slime.utils import atomic_dir, run_dir
 from slime.utils.checkpoint_safety import check_checkpoint
 from slime.utils.device import cuda_available
 from slime.utils.lora import CHECKPOINT_ADAPTER_DIR
-from slime.utils.misc import load_tokenizer
+from slime.utils.lora_export import write_adapter_folder
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def save_checkpoint(
     if adapter_only:
         tensors = dict(lora.adapter_tensors(model))
         if rank == 0:
-            lora.save_adapter_folder(model, tensors, os.path.join(tmp_dir, CHECKPOINT_ADAPTER_DIR))
+            write_adapter_folder(os.path.join(tmp_dir, CHECKPOINT_ADAPTER_DIR), tensors, lora.adapter_config(model))
     if save_optimizer:
         dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(tmp_dir, "optim"))
     torch.save(rng_state(), os.path.join(tmp_dir, "rng", f"rank_{rank:05d}.pt"))
@@ -304,25 +304,5 @@ def save_hf_checkpoint(
     if _rank() == 0:
         staging = atomic_dir.create_staging(path, "hf-export", "--save-hf")
         save_hf_folder(model, full_state_dict, str(staging), tokenizer_path, trust_remote_code)
-        atomic_dir.publish(staging, path, "hf-export", "--save-hf")
-    _barrier()
-
-
-def save_adapter_export(
-    model: nn.Module, path: str, tokenizer_path: str | None, trust_remote_code: bool = False
-) -> None:
-    """`--save-hf` under `--lora-rank`: a PEFT adapter folder (and the tokenizer), atomically. A collective.
-
-    Raises:
-        FileExistsError: `path` exists and slime did not write it (checked before any work).
-    """
-    path = os.path.abspath(path)
-    atomic_dir.on_rank0(atomic_dir.check_replaceable, path, "--save-hf")
-    tensors = dict(lora.adapter_tensors(model))
-    if _rank() == 0:
-        staging = atomic_dir.create_staging(path, "hf-export", "--save-hf")
-        lora.save_adapter_folder(model, tensors, str(staging))
-        if tokenizer_path is not None:
-            load_tokenizer(tokenizer_path, trust_remote_code).save_pretrained(str(staging))
         atomic_dir.publish(staging, path, "hf-export", "--save-hf")
     _barrier()

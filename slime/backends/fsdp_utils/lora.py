@@ -1,25 +1,24 @@
 """LoRA on the FSDP trainer (`--lora-rank`): the actor becomes a peft model whose base is frozen.
 
 Only the adapter is trained, so the optimizer holds only its state; the reference model is the base itself (the
-adapter switched off, `reference_log_probs`), never a second copy; checkpoints keep the adapter (and its
+adapter switched off, `adapters_disabled`), never a second copy; checkpoints keep the adapter (and its
 optimizer state) only, plus a PEFT folder of it; a weight update sends only the adapter (`adapter_tensors`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 from argparse import Namespace
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from slime.backends.fsdp_utils.model import reshard
-from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, saved_adapter_name
+from slime.utils.lora import saved_adapter_name
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -79,18 +78,9 @@ def adapter_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Itera
             yield saved_adapter_name(name), full.detach().to(dtype or full.dtype).contiguous()
 
 
-def save_adapter_folder(model: PeftModel, tensors: dict[str, torch.Tensor], path: str) -> None:
-    """Write a PEFT adapter folder (`peft.PeftModel.from_pretrained` loads it) from `adapter_tensors`' output."""
-    os.makedirs(path, exist_ok=True)
-    save_file(
-        {name: tensor.cpu().contiguous() for name, tensor in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS_FILE)
-    )
-    with open(os.path.join(path, ADAPTER_CONFIG_FILE), "w") as f:
-        json.dump(adapter_config(model), f, indent=2)
-
-
-def reference_log_probs(model: nn.Module, forward):
-    """`forward()` with the adapter switched off: the base model's outputs, the reference under LoRA.
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block the model computes the base model's outputs (the reference under LoRA).
 
     Each LoRA layer's own switch is flipped and restored; peft's `disable_adapter()` also turns `requires_grad` off,
     and an FSDP2 unit whose first forward sees no trainable parameter never sets up its gradient dtypes (with
@@ -103,7 +93,7 @@ def reference_log_probs(model: nn.Module, forward):
     for layer in layers:
         layer._disable_adapters = True
     try:
-        return forward()
+        yield
     finally:
         for layer, state in zip(layers, states):
             layer._disable_adapters = state

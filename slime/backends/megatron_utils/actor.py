@@ -15,6 +15,12 @@ Critic: the same backbone, loaded from the same HF weights but for the LM head, 
 value head (critic.py) giving one value per position; a response token's value is the one at the
 position predicting it, as in the FSDP critic.
 
+LoRA (`--lora-rank`, lora.py): the base is loaded from `--hf-checkpoint`, frozen, and adapters are added before
+DDP wraps the chunks, so gradient buffers and the optimizer hold the adapters only. The reference is the base (the
+adapters switched off), a weight update pushes the adapter under PEFT saved names, and checkpoints hold the
+adapter and its optimizer state plus a PEFT folder (checkpoint.py); what LoRA changes in the recipe is
+`TrainRayActor`'s.
+
 Loss scaling: the loss of a micro-batch is this data-parallel rank's share of the global-batch
 value (`loss.StepNormalizer`). Megatron's schedule divides it by the micro-batch count (and
 multiplies by the CP size) and DDP averages gradients over data x context ranks, so the trainer
@@ -29,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from argparse import Namespace
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -38,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from slime.algorithms.aggregation import StepNormalizer
-from slime.backends.megatron_utils import checkpoint
+from slime.backends.megatron_utils import checkpoint, lora
 from slime.backends.megatron_utils.config import (
     args_vocab_size,
     config_from_hf,
@@ -50,14 +57,20 @@ from slime.backends.megatron_utils.cp_utils import gather_zigzag, zigzag_positio
 from slime.backends.megatron_utils.critic import load_backbone_from_hf
 from slime.backends.megatron_utils.data import PackedMicroBatch, build_step_micro_batches
 from slime.backends.megatron_utils.loss import LOSS_FUNCTIONS, ResponseOutputs, log_probs_and_entropy
-from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_model_parallel_from_args
+from slime.backends.megatron_utils.model import (
+    build_model,
+    build_optimizer,
+    initialize_model_parallel_from_args,
+    wrap_in_ddp,
+)
 from slime.backends.megatron_utils.parallel import named_weights
 from slime.backends.megatron_utils.routing_replay import local_routing, moe_routers, set_replay
 from slime.backends.megatron_utils.unwrap import unwrap_model
-from slime.backends.megatron_utils.update_weight import hf_weight_buckets
+from slime.backends.megatron_utils.update_weight import adapter_buckets, hf_weight_buckets
 from slime.backends.storage_offload import ReleasedStorages, release_storages, restore_storages
 from slime.backends.train_actor import TrainRayActor, Weights
 from slime.utils.device import cuda_available
+from slime.utils.lora import ADAPTER_WEIGHTS_FILE
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
 from slime.utils.weight_sync import Bucket
@@ -130,7 +143,8 @@ class MegatronTrainRayActor(TrainRayActor):
     def _build(self, args: Namespace, with_ref: bool) -> int:
         """Build model, optimizer and LR scheduler, load weights; return the rollout id to start from: the
         torch_dist checkpoint's + 1 when resuming from `--load` (the critic's from `<load>/critic`), else 0.
-        The critic is the HF backbone plus a zero-initialized value head."""
+        The critic is the HF backbone plus a zero-initialized value head; under LoRA the model is the base from
+        `--hf-checkpoint` with adapters (`_add_adapters`)."""
         if not cuda_available():
             from slime.backends.megatron_utils.cpu_compat import apply_cpu_patch
 
@@ -153,7 +167,10 @@ class MegatronTrainRayActor(TrainRayActor):
         if self.cp_size > 1 and not self.use_packed_seq_params:
             raise ValueError("--context-parallel-size > 1 needs TransformerEngine attention (a GPU with TE)")
 
-        self.model = build_model(self.model_args, role=self.role)
+        start_hf = args.load if args.load and checkpoint.is_hf_checkpoint(args.load) else args.hf_checkpoint
+        self.model = build_model(self.model_args, role=self.role, wrap_with_ddp=not self.lora)
+        if self.lora:
+            self.model = self._add_adapters(args, start_hf)
         self.offloaded: dict[str, ReleasedStorages] = {}  # --offload-train: what `offload` released, by part
         for chunk in self.model:
             unwrap_model(chunk).config.variable_seq_lengths = True  # packed rows differ in length
@@ -166,7 +183,6 @@ class MegatronTrainRayActor(TrainRayActor):
         self.optimizer = build_optimizer(self.model_args, self.model)
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
 
-        start_hf = args.load if args.load and checkpoint.is_hf_checkpoint(args.load) else args.hf_checkpoint
         if with_ref:
             ref_source = args.ref_load or start_hf
             checkpoint.load_checkpoint(
@@ -175,7 +191,7 @@ class MegatronTrainRayActor(TrainRayActor):
             self.ref_weights = self._snapshot_weights()
         if self.value_head:
             load_backbone_from_hf(self.model, start_hf)  # the value head keeps its zeros
-        elif not with_ref or args.ref_load:
+        elif not self.lora and (not with_ref or args.ref_load):  # LoRA: `_add_adapters` loaded the base
             checkpoint.load_checkpoint(start_hf, self.model)
         self.optimizer.reload_model_params()  # fp32 main copies of 16-bit params follow the loaded weights
         # What `_step_gradients` computes the loss from: the critic's values or the policy's log-probs and entropy.
@@ -191,12 +207,41 @@ class MegatronTrainRayActor(TrainRayActor):
                 self.model,
                 self.optimizer if load_optimizer else None,
                 None if finetune else self.lr_scheduler,
+                adapter_only=self.lora,
             )
             if not load_optimizer:
                 self.optimizer.reload_model_params()
             start_rollout_id = 0 if finetune else iteration + 1
             logger.info("rank %d: resumed the %s from %s rollout %d", self.rank, self.role, load_root, iteration)
         return start_rollout_id
+
+    def _add_adapters(self, args: Namespace, base: str) -> list:
+        """LoRA: load the base into the unwrapped chunks, freeze it, add the adapters (new, or
+        `--lora-adapter-path`'s), then wrap the chunks in DDP, which allocates gradients for the adapters only."""
+        checkpoint.load_checkpoint(base, self.model)
+        leaves = lora.apply_lora(
+            self.model,
+            args.lora_rank,
+            args.lora_alpha,
+            args.lora_dropout,
+            args.target_modules,
+            args.exclude_modules,
+            seed=megatron_flag(args, "seed", 1234),
+        )
+        if args.lora_adapter_path is not None:
+            from safetensors.torch import load_file
+
+            lora.load_adapter_from_hf(self.model, load_file(os.path.join(args.lora_adapter_path, ADAPTER_WEIGHTS_FILE)))
+        # Every rank writes the same config: the targets of all pipeline stages.
+        every_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, leaves)
+        targets = args.target_modules
+        if targets == ["all-linear"]:
+            targets = sorted({leaf for rank_leaves in every_rank for leaf in rank_leaves})
+        self.lora_config = lora.adapter_config(
+            args.lora_rank, args.lora_alpha, args.lora_dropout, targets, args.exclude_modules, args.hf_checkpoint
+        )
+        return wrap_in_ddp(self.model_args, self.model)
 
     def _ref_iteration(self, source: str) -> int | None:
         if checkpoint.is_hf_checkpoint(source):
@@ -410,14 +455,22 @@ class MegatronTrainRayActor(TrainRayActor):
     # ---- checkpoints and weight export ---------------------------------------------------------
     def _save_checkpoint(self, root: str, rollout_id: int, update_tracker: bool) -> None:
         optimizer = None if self.args.no_save_optim else self.optimizer
+        adapter = dict(self._adapter_tensors(None)) if self.lora else None  # a collective; whole on rank 0
         checkpoint.save_checkpoint(
-            root, rollout_id, self.model, optimizer, self.lr_scheduler, update_tracker=update_tracker
+            root,
+            rollout_id,
+            self.model,
+            optimizer,
+            self.lr_scheduler,
+            update_tracker=update_tracker,
+            adapter_config=self._adapter_config(),
+            adapter_tensors=adapter,
         )
 
     def _save_hf(self, path: str) -> None:
         checkpoint.save_hf_checkpoint(self.model, path, self.args.hf_checkpoint, family=self.family)
 
-    def _hf_weight_buckets(self, dtype: torch.dtype | None) -> list[Bucket]:
+    def _model_weight_buckets(self, dtype: torch.dtype | None) -> Iterator[Bucket]:
         # With pipeline parallelism the stages forward their buckets (update_weight.py): to every rank
         # when colocated (any rank may serve an engine), else only to rank 0, the one sender.
         return hf_weight_buckets(
@@ -428,6 +481,18 @@ class MegatronTrainRayActor(TrainRayActor):
             dtype,
             to_every_rank=self.weight_updater.every_rank_sends,
         )
+
+    # ---- LoRA (--lora-rank; what it changes is TrainRayActor's) ----------------------------------
+    def _adapter_config(self) -> dict | None:
+        return self.lora_config if self.lora else None
+
+    def _adapter_tensors(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        # Gathered over TP; with pipeline parallelism the stages forward theirs to the pipeline group of rank 0.
+        buckets = adapter_buckets(self.model, self.args.update_weight_buffer_size, dtype, to_every_rank=False)
+        return (item for bucket in buckets for item in bucket)
+
+    def _adapters_disabled(self) -> contextlib.AbstractContextManager:
+        return lora.disable_adapters(self.model)
 
     # ---- offload -------------------------------------------------------------------------------
     def offload(self) -> int:

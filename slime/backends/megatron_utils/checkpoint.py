@@ -10,6 +10,11 @@ The state dict is {"model": ...} ("model0", "model1", ... with virtual pipelinin
 stored by their global, layer-stacked keys, so they load under any TP/PP/EP layout; the distributed
 optimizer's state reloads under another data-parallel size but needs the same TP/PP.
 
+LoRA (`--lora-rank`, lora.py): the frozen base is `--hf-checkpoint` and is not saved. The state dict holds
+{"adapter": ...} instead of the model, keyed by PEFT saved names (`lora.adapter_sharded_state_dict`), and the
+optimizer state of the adapter; beside it, `iter_XXXXXXX/adapter/` is the adapter as a PEFT folder (what
+`tools/convert_to_hf.py` exports and `--lora-adapter-path` warm-starts from).
+
 Atomicity: all ranks write `.iter_XXXXXXX.slime-tmp-<pid>` (`slime.utils.atomic_dir`); then rank 0 renames
 it to `iter_XXXXXXX`, replacing an earlier one only if slime wrote it, and only after that rewrites the
 tracker file. In a training run the driver writes the tracker once every part of the step (critic, data
@@ -37,12 +42,15 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from slime.backends.megatron_utils import lora
 from slime.backends.megatron_utils.config import load_hf_config
 from slime.backends.megatron_utils.hf_to_megatron import load_hf_weights
 from slime.backends.megatron_utils.megatron_to_hf import megatron_state_to_hf
 from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.utils import atomic_dir, run_dir
 from slime.utils.checkpoint_safety import check_checkpoint
+from slime.utils.lora import ADAPTER_CONFIG_FILE, CHECKPOINT_ADAPTER_DIR
+from slime.utils.lora_export import write_adapter_folder
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +58,7 @@ TRACKER_FILE = run_dir.TRACKER_FILE
 CHECKPOINT_VERSION = 3.0
 _ITER_DIR = re.compile(r"iter_(\d{7})")
 _MODEL_KEY = re.compile(r"model\d*")
+_ADAPTER_KEY = "adapter"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 # Distributed-optimizer state as Megatron-LM saves it by default: it reloads under another DP size but
 # the same TP/PP (weights reload under any layout). megatron-core 0.16 cannot load its
@@ -105,10 +114,15 @@ def _model_state_key(index: int, count: int) -> str:
     return "model" if count == 1 else f"model{index}"
 
 
-def _sharded_state_dict(model: list[nn.Module], optimizer=None, is_loading: bool = False) -> dict[str, Any]:
+def _sharded_state_dict(
+    model: list[nn.Module], optimizer=None, is_loading: bool = False, adapter_only: bool = False
+) -> dict[str, Any]:
     state: dict[str, Any] = {}
-    for index, chunk in enumerate(model):
-        state[_model_state_key(index, len(model))] = unwrap_model(chunk).sharded_state_dict()
+    if adapter_only:  # LoRA: the adapters, each with its own TP split (Megatron's own dict gets them wrong)
+        state[_ADAPTER_KEY] = lora.adapter_sharded_state_dict(model)
+    else:
+        for index, chunk in enumerate(model):
+            state[_model_state_key(index, len(model))] = unwrap_model(chunk).sharded_state_dict()
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_SHARDING_METADATA)
     return state
@@ -126,17 +140,24 @@ def _ensure_optimizer_state(optimizer) -> None:
             inner._init_optimizer_states_with_dummy_values()
 
 
-def _unshare_adam_steps(optimizer) -> None:
-    """Give each parameter its own Adam `step` tensor again after a load.
+def _restore_adam_steps(optimizer) -> None:
+    """Give each parameter its own Adam `step` tensor again after a load, holding the saved step.
 
     Without TE/Apex, megatron-core's distributed optimizer loads one `step` tensor into the state of
     every parameter; torch's Adam then increments that shared tensor once per parameter per step and
-    the bias correction goes wrong from the first step after resuming.
+    the bias correction goes wrong from the first step after resuming. Its parameter-state load then
+    copies over that tensor the step of the state it loads into (`_ensure_optimizer_state`'s dummy
+    step), so the saved step is taken from the param groups, where megatron-core keeps it.
     """
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in getattr(getattr(inner, "optimizer", None), "state", {}).values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
+        torch_optimizer = getattr(inner, "optimizer", None)
+        for group in getattr(torch_optimizer, "param_groups", []):
+            saved = group.get("step")
+            for param in group["params"]:
+                state = torch_optimizer.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    step = state["step"] if saved is None else torch.tensor(float(saved))
+                    state["step"] = step.to(state["step"]).clone()
 
 
 def write_tracker(root: str | Path, iteration: int) -> None:
@@ -152,6 +173,8 @@ def save_checkpoint(
     opt_param_scheduler=None,
     extra_state: dict[str, Any] | None = None,
     update_tracker: bool = True,
+    adapter_config: dict | None = None,
+    adapter_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save a torch_dist checkpoint to `root/iter_XXXXXXX` atomically (and update the tracker file).
 
@@ -166,6 +189,10 @@ def save_checkpoint(
         extra_state: more picklable, rank-independent items (e.g. data-loader state) for common.pt.
         update_tracker: write the tracker too; the driver passes False and writes it once every part of
             the step is written.
+        adapter_config: LoRA (`--lora-rank`): save only the adapters (and their optimizer state), not the frozen
+            base, and the PEFT folder `adapter/` with this `adapter_config.json`.
+        adapter_tensors: with `adapter_config`: the whole adapter (PEFT saved names, full tensors) on rank 0, which
+            writes the folder (`update_weight.adapter_buckets` gathers it).
 
     Returns:
         the final checkpoint directory.
@@ -180,12 +207,15 @@ def save_checkpoint(
     tmp_dir = atomic_dir.on_rank0(atomic_dir.create_staging, final_dir, "checkpoint", "--save", False)
     _barrier()
 
-    state = _sharded_state_dict(_chunks(model), optimizer)
+    adapter_only = adapter_config is not None
+    state = _sharded_state_dict(_chunks(model), optimizer, adapter_only=adapter_only)
     state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, **(extra_state or {}))
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     _keep_write_results_in_process()
     dist_checkpointing.save(state, str(tmp_dir))
+    if adapter_only and _rank() == 0:
+        write_adapter_folder(tmp_dir / CHECKPOINT_ADAPTER_DIR, adapter_tensors, adapter_config)
     _barrier()
 
     if _rank() == 0:
@@ -254,6 +284,7 @@ def load_checkpoint(
     family: str | None = None,
     flag: str = "--load",
     require_marker: bool = True,
+    adapter_only: bool = False,
 ) -> tuple[int, dict[str, Any]]:
     """Load weights (and optimizer state if saved) from a torch_dist checkpoint or an HF folder.
 
@@ -268,6 +299,8 @@ def load_checkpoint(
         family: model family for an HF folder (default: its config's model_type).
         flag, require_marker: for `checkpoint_safety.check_checkpoint`, run on a torch_dist folder before
             torch unpickles its index.
+        adapter_only: LoRA: the checkpoint of a `--lora-rank` run (`save_checkpoint(adapter_config=...)`); its
+            adapters (and optimizer state) load into the model's, the base is left as it is.
 
     Returns:
         (iteration, the remaining common state: `extra_state` given at save time), (0, {}) for an HF folder.
@@ -282,25 +315,45 @@ def load_checkpoint(
 
     directory, found_iteration = resolve_checkpoint(path, iteration)
     check_checkpoint(directory, flag, require_marker)
+    _check_adapter_only(directory, adapter_only, flag)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     if optimizer is not None and "optimizer" not in common:
         logger.info("%s has no optimizer state; the optimizer starts fresh", directory)
         optimizer = None
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
-    state = _sharded_state_dict(chunks, optimizer, is_loading=True)
+    state = _sharded_state_dict(chunks, optimizer, is_loading=True, adapter_only=adapter_only)
     loaded = dist_checkpointing.load(state, str(directory))
-    for index, chunk in enumerate(chunks):
-        unwrap_model(chunk).load_state_dict(loaded[_model_state_key(index, len(chunks))])
+    if adapter_only:
+        lora.load_adapter_shards(chunks, loaded[_ADAPTER_KEY])
+    else:
+        for index, chunk in enumerate(chunks):
+            unwrap_model(chunk).load_state_dict(loaded[_model_state_key(index, len(chunks))])
     if optimizer is not None:
         with torch.no_grad():  # fp32 models: the optimizer's main params are views of the parameters
             optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(optimizer)
+        _restore_adam_steps(optimizer)
     if opt_param_scheduler is not None and "opt_param_scheduler" in loaded:
         opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    reserved = {"optimizer", "opt_param_scheduler", "iteration", "checkpoint_version"}
+    reserved = {"optimizer", "opt_param_scheduler", "iteration", "checkpoint_version", _ADAPTER_KEY}
     extra = {k: v for k, v in common.items() if k not in reserved and not _MODEL_KEY.fullmatch(k)}
     return int(common.get("iteration", found_iteration)), extra
+
+
+def _check_adapter_only(directory: Path, adapter_only: bool, flag: str) -> None:
+    """A LoRA run's checkpoint holds its adapter only: refuse to load one where the other kind is expected."""
+    is_adapter = (directory / CHECKPOINT_ADAPTER_DIR / ADAPTER_CONFIG_FILE).is_file()
+    if adapter_only and not is_adapter:
+        raise ValueError(
+            f"{flag} {directory} holds a full model, not a LoRA adapter (no {CHECKPOINT_ADAPTER_DIR}/): with "
+            "--lora-rank the base is --hf-checkpoint; start a new adapter (drop --load), or warm-start one with "
+            "--lora-adapter-path."
+        )
+    if is_adapter and not adapter_only:
+        raise ValueError(
+            f"{flag} {directory} holds only a LoRA adapter (saved with --lora-rank): resume it with the same "
+            "--lora-rank flags, or merge it into the base with tools/convert_to_hf.py --merge-lora."
+        )
 
 
 def copy_hf_metadata(origin_hf_dir: str | Path, output_dir: str | Path) -> None:

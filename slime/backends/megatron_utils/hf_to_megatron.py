@@ -19,7 +19,13 @@ from tqdm import tqdm
 
 from slime.backends.megatron_utils.config import family_from_hf_config, resolve_family
 from slime.backends.megatron_utils.megatron_to_hf import model_dims
-from slime.backends.megatron_utils.parallel import full_shape, global_param_name, named_weights, shard_tensor_parallel
+from slime.backends.megatron_utils.parallel import (
+    full_shape,
+    global_param_name,
+    is_adapter_weight,
+    named_weights,
+    shard_tensor_parallel,
+)
 from slime.backends.megatron_utils.weight_mapping import VOCAB, hf_names_for, merge_from_hf
 
 logger = logging.getLogger(__name__)
@@ -78,7 +84,8 @@ def load_hf_weights(
         hf_dir_or_state_dict: an HF model folder (safetensors) or a {HF name: tensor} dict.
         family: model family; default: the `model_type` of the folder's config.json.
         progress: show a progress bar (on the first rank).
-        exclude: global Megatron parameter names to leave as they are (e.g. a critic's value head).
+        exclude: global Megatron parameter names to leave as they are (e.g. a critic's value head). LoRA
+            adapters (lora.py) are always left as they are.
 
     Returns:
         the HF names that were read (with pipeline/expert parallelism a rank reads only part).
@@ -110,7 +117,7 @@ def load_hf_weights(
     show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
     for chunk, name, tensor in tqdm(weights, desc="HF -> Megatron", disable=not show):
         global_name = global_param_name(name, chunk)
-        if global_name in exclude:
+        if global_name in exclude or is_adapter_weight(name):  # LoRA adapters are not in an HF model
             continue
         hf_names, kind = hf_names_for(global_name, dims)
         padded_rows = full_shape(name, tensor)[0] if kind == VOCAB else None

@@ -49,9 +49,10 @@ from torch import nn
 
 from slime.backends.megatron_utils.parallel import gather_tensor_parallel, shard_tensor_parallel
 from slime.backends.megatron_utils.unwrap import unwrap_model
+from slime.utils.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+ATTENTION_TARGETS = ATTENTION_PROJECTIONS
+MLP_TARGETS = MLP_PROJECTIONS
 ALL_LINEAR = ATTENTION_TARGETS + MLP_TARGETS
 
 # Megatron linear -> (its parent in the layer, the HF module holding the projections, the projections in output order).
@@ -381,6 +382,45 @@ def load_adapter_from_hf(model_chunks: list[nn.Module], tensors: Mapping[str, to
             shard = shard_tensor_parallel(f"{name}.{factor}", tensors[saved], param, chunk)
             with torch.no_grad():
                 param.copy_(shard.to(dtype=param.dtype, device=param.device))
+
+
+def adapter_sharded_state_dict(model_chunks: list[nn.Module]) -> dict:
+    """This rank's adapters as megatron-core dist-checkpoint `ShardedTensor`s, keyed by PEFT saved name (global
+    layer numbers): each split factor along its tensor-parallel axis, each replicated one as a replica.
+
+    Megatron's own `sharded_state_dict` of an adapted linear would take the adapters for replicated tensors and keep
+    only TP rank 0's shard of the split ones. The tensors are the parameters themselves, so an optimizer's
+    `sharded_state_dict` maps its state onto these keys; and since a key names the full HF tensor, a checkpoint of
+    them loads under another parallel layout.
+    """
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+    state = {}
+    for _, _, adapter in _adapters(model_chunks):
+        for factor in ("lora_A", "lora_B"):
+            param, key = getattr(adapter, factor), _saved_name(adapter, factor)
+            if getattr(param, "tensor_model_parallel", False):
+                state[key] = make_tp_sharded_tensor_for_checkpoint(param, key, tp_axis=param.partition_dim)
+            else:
+                state[key] = make_sharded_tensor_for_checkpoint(param, key)
+    return state
+
+
+def load_adapter_shards(model_chunks: list[nn.Module], shards: Mapping[str, torch.Tensor]) -> None:
+    """Copy this rank's shards (`adapter_sharded_state_dict`'s keys, as dist-checkpoint loading returns them) into
+    the adapters.
+
+    Raises:
+        KeyError: an adapter of this rank is missing from `shards`.
+    """
+    for _, _, adapter in _adapters(model_chunks):
+        for factor in ("lora_A", "lora_B"):
+            key = _saved_name(adapter, factor)
+            if key not in shards:
+                raise KeyError(f"the checkpoint has no {key}; was it trained with other --target-modules?")
+            param = getattr(adapter, factor)
+            with torch.no_grad():
+                param.copy_(shards[key])
 
 
 @contextlib.contextmanager

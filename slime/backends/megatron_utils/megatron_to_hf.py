@@ -15,6 +15,7 @@ from torch import nn
 from slime.backends.megatron_utils.parallel import (
     gather_tensor_parallel,
     global_param_name,
+    is_adapter_weight,
     is_expert_weight,
     named_weights,
 )
@@ -59,7 +60,8 @@ def megatron_state_to_hf(
 
     A collective: every rank of the stage must iterate it to the end, in the same order. Every rank
     of a stage gets the same full tensors; with pipeline parallelism each stage yields only its own
-    layers (and the first stage the embedding), so collecting a whole model is the caller's job.
+    layers (and the first stage the embedding), so collecting a whole model is the caller's job. LoRA adapters
+    are left out: the HF model's weights are the base's.
     Tensors of unsplit parameters may be views of the live parameters: clone them to keep a snapshot.
 
     Args:
@@ -76,6 +78,8 @@ def megatron_state_to_hf(
         for name, tensor in named_weights(chunk):
             if name == "output_layer.weight" and dims.tied_embeddings:
                 continue  # the embedding, already yielded by the first stage
+            if is_adapter_weight(name):
+                continue  # a LoRA adapter: not a weight of the HF model (lora.adapter_state_to_hf exports it)
             full = gather_tensor_parallel(name, tensor, chunk)
             if is_expert_weight(name) and ep_size > 1:
                 per_rank = [torch.empty_like(full) for _ in range(ep_size)]

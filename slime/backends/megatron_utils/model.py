@@ -30,7 +30,7 @@ from slime.backends.megatron_utils.config import (
     transformer_config_from_args,
     use_transformer_engine,
 )
-from slime.backends.megatron_utils.unwrap import unwrap_model  # noqa: F401 (re-exported)
+from slime.backends.megatron_utils.unwrap import unwrap_model
 from slime.utils.device import cuda_available
 from slime.utils.misc import load_function
 
@@ -187,7 +187,6 @@ def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True, role: str 
         the list of chunks (length 1 without virtual pipelining).
     """
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     from slime.backends.megatron_utils.critic import attach_value_head, critic_model_args
@@ -214,9 +213,18 @@ def build_model(args: argparse.Namespace, wrap_with_ddp: bool = True, role: str 
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)
         chunks.append(model)
-    if not wrap_with_ddp:
-        return chunks
+    return wrap_in_ddp(args, chunks) if wrap_with_ddp else chunks
 
+
+def wrap_in_ddp(args: argparse.Namespace, chunks: list[nn.Module]) -> list[nn.Module]:
+    """Wrap `build_model(args, wrap_with_ddp=False)`'s chunks in Megatron's `DistributedDataParallel`.
+
+    DDP allocates gradient buffers for the parameters that are trainable now: freeze or add parameters (e.g. LoRA
+    adapters, lora.py) before.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = unwrap_model(chunks[0]).config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=bool(megatron_flag(args, "accumulate_allreduce_grads_in_fp32", False)),
         overlap_grad_reduce=bool(megatron_flag(args, "overlap_grad_reduce", False)),

@@ -36,6 +36,11 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield strip_wrapper_prefix(name), buffer
 
 
+def is_adapter_weight(name: str) -> bool:
+    """A LoRA adapter's factor (lora.py attaches them to a linear as `.lora`): not a weight of the HF model."""
+    return ".lora." in name
+
+
 def is_expert_weight(name: str) -> bool:
     """Routed-expert weights (split over expert parallel ranks); shared experts are dense weights."""
     return ".mlp.experts." in name

@@ -82,9 +82,29 @@ def hf_weight_buckets(
     Yields:
         Lists of (HF name, contiguous tensor on the training device), each name once over all buckets.
     """
+    own = bucket_named_tensors(hf_weights(model, family, vocab_size, dtype), buffer_size)
+    yield from _pipeline_buckets(own, model, to_every_rank)
+
+
+def adapter_buckets(
+    model: list[nn.Module], buffer_size: int, dtype: torch.dtype | None = None, to_every_rank: bool = True
+) -> Iterator[Bucket]:
+    """The LoRA adapter (lora.py) under PEFT saved names, full tensors, in buckets of at most `buffer_size` bytes:
+    what `--lora-rank` pushes instead of the weights, and what a PEFT folder holds.
+
+    A collective over all training ranks, forwarded over pipeline stages as `hf_weight_buckets` does (with
+    `to_every_rank=False` only the pipeline group of rank 0 gets the whole adapter; the other ranks yield nothing).
+    """
+    from slime.backends.megatron_utils.lora import adapter_state_to_hf
+
+    named = ((name, tensor.to(dtype or tensor.dtype).contiguous()) for name, tensor in adapter_state_to_hf(model))
+    yield from _pipeline_buckets(bucket_named_tensors(named, buffer_size), model, to_every_rank)
+
+
+def _pipeline_buckets(own: Iterator[Bucket], model: list[nn.Module], to_every_rank: bool) -> Iterator[Bucket]:
+    """This stage's buckets `own`, and with pipeline parallelism every stage's (see the module docstring)."""
     from megatron.core import parallel_state
 
-    own = bucket_named_tensors(hf_weights(model, family, vocab_size, dtype), buffer_size)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         yield from own
         return

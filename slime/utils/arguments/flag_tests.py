@@ -75,13 +75,32 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     "lora_rank": (
         "test_fsdp_lora.py::test_lora_steps_equal_peft_with_torch_adamw",
         "test_fsdp_lora.py::test_reference_is_the_base_model_without_a_copy",
+        "test_megatron_lora_actor.py::test_megatron_lora_trains_only_the_adapter_as_fsdp_does",
+        "test_megatron_lora_actor.py::test_reference_log_probs_are_the_base_models",
+        "test_lora_flags.py::test_what_megatron_lora_cannot_do_is_refused",
     ),
-    "lora_alpha": ("test_fsdp_lora.py::test_lora_steps_equal_peft_with_torch_adamw",),
+    "lora_alpha": (
+        "test_fsdp_lora.py::test_lora_steps_equal_peft_with_torch_adamw",
+        "test_megatron_lora_actor.py::test_megatron_lora_trains_only_the_adapter_as_fsdp_does",
+    ),
     "lora_dropout": ("test_fsdp_lora.py::test_target_modules_exclude_modules_and_dropout_shape_the_adapter",),
-    "target_modules": ("test_fsdp_lora.py::test_target_modules_exclude_modules_and_dropout_shape_the_adapter",),
-    "exclude_modules": ("test_fsdp_lora.py::test_target_modules_exclude_modules_and_dropout_shape_the_adapter",),
-    "lora_adapter_path": ("test_fsdp_lora.py::test_checkpoint_holds_the_adapter_and_resumes_it",),
-    "check_lora_weight_equal": ("test_fsdp_lora.py::test_pushes_send_only_the_adapter_which_the_engine_serves",),
+    "target_modules": (
+        "test_fsdp_lora.py::test_target_modules_exclude_modules_and_dropout_shape_the_adapter",
+        "test_lora_flags.py::test_what_megatron_lora_cannot_do_is_refused",
+    ),
+    "exclude_modules": (
+        "test_fsdp_lora.py::test_target_modules_exclude_modules_and_dropout_shape_the_adapter",
+        "test_lora_flags.py::test_the_hf_checkpoints_model_kind_is_checked",
+    ),
+    "lora_adapter_path": (
+        "test_fsdp_lora.py::test_checkpoint_holds_the_adapter_and_resumes_it",
+        "test_megatron_lora_actor.py::test_megatron_lora_trains_only_the_adapter_as_fsdp_does",
+        "test_megatron_lora_actor.py::test_checkpoint_resumes_exactly_and_holds_a_peft_folder",
+    ),
+    "check_lora_weight_equal": (
+        "test_fsdp_lora.py::test_pushes_send_only_the_adapter_which_the_engine_serves",
+        "test_megatron_lora_actor.py::test_pushed_adapter_is_what_the_engine_serves",
+    ),
     "gradient_checkpointing": (
         "test_fsdp_backend.py::test_gradient_checkpointing_and_offload_round_trip_do_not_change_training",
     ),

@@ -7,7 +7,8 @@ import json
 import os
 
 from slime.utils.arguments.errors import _fail
-from slime.utils.lora import ADAPTER_CONFIG_FILE
+from slime.utils.lora import ADAPTER_CONFIG_FILE, ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from slime.utils.moe_routing import routing_shape
 
 
 def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,9 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="Train a LoRA adapter of this rank on the actor (0: train the full weights). The base stays frozen, the "
         "reference model is the base itself, and each weight update pushes only the adapter, which the engines "
-        "serve with SGLang's LoRA API. FSDP only.",
+        "serve with SGLang's LoRA API. Both trainers; --train-backend megatron needs --transformer-impl local and "
+        "adapts q/k/v/o_proj and gate/up/down_proj only (no --sequence-parallel, no MoE expert, GLM-4 MLP or "
+        "multi-latent attention q/k/v targets).",
     )
     group.add_argument(
         "--lora-alpha", type=float, default=16.0, help="LoRA scaling numerator: updates scale by alpha/r."
@@ -29,10 +32,14 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["all-linear"],
         help="Modules that get an adapter: all-linear (every linear layer but the LM head) or HF leaf names such as "
-        "q_proj v_proj.",
+        "q_proj v_proj (with --train-backend megatron: among q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj).",
     )
     group.add_argument(
-        "--exclude-modules", nargs="+", default=None, help="Leaf names of modules to leave without an adapter."
+        "--exclude-modules",
+        nargs="+",
+        default=None,
+        help="Modules to leave without an adapter: leaf names (o_proj) or module paths (model.layers.1.mlp.down_proj).",
     )
     group.add_argument(
         "--lora-adapter-path",
@@ -113,6 +120,87 @@ def _validate_lora(args: argparse.Namespace) -> None:
             "--lora-rank pushes the adapter in the request body (it is small); --update-weight-transport disk is not "
             "used for adapters yet: drop it."
         )
+    if args.train_backend == "megatron":
+        _validate_megatron_lora(args)
+
+
+def _validate_megatron_lora(args: argparse.Namespace) -> None:
+    """What LoRA on megatron-core (slime/backends/megatron_utils/lora.py) cannot do, refused before a model is built.
+
+    The model's kind (MoE, GLM-4, multi-latent attention) is read from the model flags when given, else from
+    --hf-checkpoint's config.json; when neither tells, building the model refuses what it cannot adapt.
+    """
+    impl = getattr(args, "transformer_impl", None)
+    if impl != "local":
+        given = f"--transformer-impl {impl}" if impl else "Megatron's default --transformer-impl transformer_engine"
+        _fail(
+            f"--lora-rank with --train-backend megatron adapts megatron-core's own linear layers, not "
+            f"TransformerEngine's ({given}): pass --transformer-impl local."
+        )
+    if args.sequence_parallel:
+        _fail(
+            "--lora-rank with --train-backend megatron does not support --sequence-parallel (the adapters' inputs "
+            "and gradients would need sequence-parallel gathers): drop --sequence-parallel."
+        )
+    if args.context_parallel_size > 1:
+        _fail(
+            f"--context-parallel-size {args.context_parallel_size} needs TransformerEngine attention, and --lora-rank "
+            "with --train-backend megatron needs --transformer-impl local: drop --context-parallel-size."
+        )
+    adaptable = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+    flag = f"--target-modules {' '.join(args.target_modules)}"
+    unknown = [name for name in args.target_modules if name != "all-linear" and name not in adaptable]
+    if unknown:
+        _fail(
+            f"{flag}: the Megatron backend adapts only {' '.join(adaptable)} (or all-linear), not "
+            f"{' '.join(unknown)}; name those, or use --train-backend fsdp."
+        )
+    excluded = args.exclude_modules or []
+    if any("." in name for name in excluded):
+        return  # module paths may leave out exactly the layers that cannot carry adapters: building the model tells
+    targeted = set(adaptable if args.target_modules == ["all-linear"] else args.target_modules) - set(excluded)
+    mlp = [name for name in MLP_PROJECTIONS if name in targeted]
+    qkv = [name for name in ATTENTION_PROJECTIONS[:3] if name in targeted]
+    model, moe, glm4, mla = _megatron_model_kind(args)
+    if mlp and moe:
+        _fail(
+            f"{flag}: {model} is an MoE model, and LoRA on its expert layers ({' '.join(mlp)}) is not supported with "
+            "--train-backend megatron: pass --target-modules q_proj k_proj v_proj o_proj, or use --train-backend fsdp."
+        )
+    if mlp and glm4:
+        _fail(
+            f"{flag}: {model} is GLM-4, whose HF MLP fuses gate_proj and up_proj into gate_up_proj; LoRA on its MLP "
+            "is not supported with --train-backend megatron: pass --target-modules q_proj k_proj v_proj o_proj, or "
+            "use --train-backend fsdp."
+        )
+    if qkv and mla:
+        _fail(
+            f"{flag}: {model} uses multi-latent attention, which has no {' '.join(qkv)}; with --train-backend "
+            "megatron target o_proj (and the MLP of dense layers) only, or use --train-backend fsdp."
+        )
+
+
+def _megatron_model_kind(args: argparse.Namespace) -> tuple[str, bool, bool, bool]:
+    """(how to name the model, MoE, GLM-4, multi-latent attention) as the Megatron trainer will build it: from the
+    model flags when given (`--num-layers`), else from --hf-checkpoint's config.json (all False when unreadable)."""
+    if getattr(args, "num_layers", None) is not None:
+        return (
+            "the model of the model flags",
+            bool(getattr(args, "num_experts", None)),
+            bool(getattr(args, "post_mlp_layernorm", False)),
+            bool(getattr(args, "multi_latent_attention", False)),
+        )
+    path = os.path.join(args.hf_checkpoint or "", "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return "", False, False, False
+    if not isinstance(config, dict):
+        return "", False, False, False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    model = f"--hf-checkpoint {args.hf_checkpoint}"
+    return model, routing_shape(config) is not None, text.get("model_type") == "glm4", "kv_lora_rank" in text
 
 
 def _validate_adapter_folder(args: argparse.Namespace) -> None:

@@ -86,22 +86,6 @@ REFUSED_FLAGS: dict[str, Refusal] = {
         backends=("megatron",),
     ),
     "only_train_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
-    **dict.fromkeys(
-        (
-            "lora_rank",
-            "lora_alpha",
-            "lora_dropout",
-            "target_modules",
-            "exclude_modules",
-            "lora_adapter_path",
-            "check_lora_weight_equal",
-        ),
-        Refusal(
-            "LoRA training is implemented for --train-backend fsdp only so far",
-            "use --train-backend fsdp",
-            backends=("megatron",),
-        ),
-    ),
     "lora_train_only": Refusal(
         "training an adapter the engines do not serve is not implemented",
         "drop it; with --lora-rank the engines generate with the adapter being trained",
