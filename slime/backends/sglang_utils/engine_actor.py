@@ -17,7 +17,6 @@ import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
-from typing import Any
 
 from slime.backends.sglang_utils.engine_command_line import (
     build_cpu_engine_args,
@@ -155,21 +154,6 @@ class RolloutEngine(EngineClient):
             "sglang.launch_server",
             *server_args,
         ], env
-
-    def _get(self, endpoint: str) -> Any:
-        self._fail_if_exited(endpoint)
-        return super()._get(endpoint)
-
-    def _post(self, endpoint: str, payload: dict[str, Any] | None = None) -> Any:
-        self._fail_if_exited(endpoint)
-        return super()._post(endpoint, payload)
-
-    def _fail_if_exited(self, endpoint: str) -> None:
-        """A control call to a server that has exited fails at once: retrying a refused connection only waits."""
-        if self.process is not None and (code := self.process.poll()) is not None:
-            raise ConnectionError(
-                f"{endpoint} on {self.base_url}: the engine server exited (code {code}; log: {self.log_path})"
-            )
 
     def is_alive(self) -> bool:
         """True while the server process runs (it may still be loading; see `health()`)."""
