@@ -19,8 +19,8 @@ pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from support.megatron_cpu import run_in_processes  # noqa: E402
-from support.megatron_models import build_tiny_hf  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig  # noqa: E402
+from support.megatron_models import tiny_qwen2  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
 
 from slime.backends.megatron_utils.lora import adapter_config  # noqa: E402
 from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE  # noqa: E402
@@ -35,22 +35,6 @@ CASES = {
     "exclude": (["all-linear"], ["o_proj", "model.layers.1.mlp.down_proj"]),
 }
 ADAPTER_PREFIX = "base_model.model."
-
-
-def tiny_qwen2(path) -> str:
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, rope_theta=10000.0,
-        pad_token_id=0,
-    )  # fmt: skip
-    path = build_tiny_hf(path, config)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("proj.bias"):
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    return path
 
 
 def peft_model(path: str, case: str, seed: int = 0):
@@ -225,7 +209,7 @@ def _worker(rank: int, world_size: int, paths: dict, tokens: torch.Tensor, adapt
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_lora")
-    path = tiny_qwen2(root / "qwen2")
+    path = tiny_qwen2(root / "qwen2", VOCAB)
     moe_config = Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,

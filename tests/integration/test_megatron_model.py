@@ -16,28 +16,18 @@ import torch
 pytest.importorskip("megatron.core")
 
 from support.megatron_cpu import run_in_processes  # noqa: E402
-from support.megatron_models import MINIMAL_SLIME_FLAGS, build_tiny_hf, hf_logits, megatron_logits, model_args_of
+from support.megatron_models import (
+    MINIMAL_SLIME_FLAGS,
+    build_tiny_hf,
+    hf_logits,
+    megatron_logits,
+    model_args_of,
+    tiny_qwen2,
+)
 from support.tiny_model import build_tiny_model  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig  # noqa: E402
+from transformers import Qwen3MoeConfig  # noqa: E402
 
 TOLERANCE = 1e-4
-
-
-def tiny_qwen2(path) -> str:
-    config = Qwen2Config(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, rope_theta=10000.0,
-        pad_token_id=0,
-    )  # fmt: skip
-    path = build_tiny_hf(path, config)
-    # Qwen2 has q/k/v biases; give them non-zero values so a layout error in the fused bias shows.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("proj.bias"):
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    return path
 
 
 def tiny_qwen3_moe(path) -> str:

@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 
 def build_tiny_hf(path, config) -> str:
@@ -19,6 +19,24 @@ def build_tiny_hf(path, config) -> str:
                 param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     return str(path)
+
+
+def tiny_qwen2(path, vocab_size: int = 300) -> str:
+    """A tiny random Qwen2 (GQA: 4 query heads, 2 KV heads) saved at `path`, with non-zero q/k/v biases so a layout
+    error in Megatron's fused QKV bias shows."""
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, rope_theta=10000.0,
+        pad_token_id=0,
+    )  # fmt: skip
+    path = build_tiny_hf(path, config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return path
 
 
 def hf_logits(path: str, input_ids: torch.Tensor) -> torch.Tensor:
