@@ -19,6 +19,7 @@ from slime.ray.rollout import create_rollout_manager
 from slime.utils import run_dir
 from slime.utils.arguments import parse_args
 from slime.utils.job_reaper import start_job_reaper
+from slime.utils.lora import engines_keep_base
 from slime.utils.run_context import RunContext, expose_to_plugins
 from slime.utils.tracking import Tracker, configure_logging
 
@@ -115,9 +116,10 @@ def create_training_run(args) -> TrainingRun:
                 actor.offload()
             if args.offload_rollout:
                 ray.get(rollout_manager.onload.remote())
-            actor.update_weights()
-            weight_version = 1
-            ray.get(rollout_manager.set_trainer_weight_version.remote(weight_version))
+            if not engines_keep_base(args):
+                actor.update_weights()
+                weight_version = 1
+                ray.get(rollout_manager.set_trainer_weight_version.remote(weight_version))
     elif args.load:
         ray.get(rollout_manager.load.remote(resume_step))
 
@@ -163,10 +165,14 @@ def update_weights(run: TrainingRun) -> dict[str, float]:
     A restarted engine is not in the trainer's weight-update links yet (a broadcast group is formed
     with the engines it had) and still holds the checkpoint's weights: the trainer reconnects to the
     engines, pushes, checks every engine's log-probs against its own, and only then is the engine
-    put back into the router.
+    put back into the router. With `--lora-train-only` nothing is pushed: the engines keep the base they loaded.
     """
     manager = run.rollout_manager
     restarted = ray.get(manager.engines_awaiting_weights.remote()) if run.args.use_fault_tolerance else []
+    if engines_keep_base(run.args):  # --lora-train-only: nothing is pushed; a restarted engine has the base already
+        if restarted:
+            ray.get(manager.readmit_engines.remote(restarted))
+        return {}
     for attempt in range(_PUSH_ATTEMPTS):
         try:
             _push_weights(run, reconnect=bool(restarted) or attempt > 0)

@@ -26,9 +26,21 @@ def lora_enabled(args: argparse.Namespace) -> bool:
     return getattr(args, "lora_rank", 0) > 0
 
 
+def engines_keep_base(args: argparse.Namespace) -> bool:
+    """`--lora-train-only`: the adapter trains while the engines keep generating with the base model they loaded, so
+    no weight update is ever pushed and the engines serve no adapter."""
+    return lora_enabled(args) and getattr(args, "lora_train_only", False)
+
+
+def engines_serve_adapter(args: argparse.Namespace) -> bool:
+    """Whether the engines serve the trained adapter beside the base (`--lora-rank` without `--lora-train-only`)."""
+    return lora_enabled(args) and not engines_keep_base(args)
+
+
 def rollout_adapter(args: argparse.Namespace) -> str | None:
-    """The adapter rollout requests generate with (`lora_path`), None without LoRA (the base model)."""
-    return POLICY_ADAPTER if lora_enabled(args) else None
+    """The adapter rollout requests generate with (`lora_path`), None for the base model (no LoRA, or
+    `--lora-train-only`)."""
+    return POLICY_ADAPTER if engines_serve_adapter(args) else None
 
 
 def saved_adapter_name(parameter_name: str, adapter: str = "default") -> str:

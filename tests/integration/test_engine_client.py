@@ -478,7 +478,14 @@ def test_lora_rank_turns_on_lora_serving_in_both_engines_command_lines():
     # Without --lora-rank no LoRA field reaches the CPU engine (max_loras_per_batch is ignored with a warning).
     plain = slime_flags(sglang_server_args={"max_loras_per_batch": 2})
     assert not [flag for flag in build_cpu_engine_args(plain, model_path="/m", host="h", port=5) if "lora" in flag]
-    # Released weights come back only from SGLang's CPU copy: no adapter push resends the base.
-    for lora_rank, backup in ((8, True), (0, False)):
-        offloaded = slime_flags(lora_rank=lora_rank, target_modules=["all-linear"], offload_rollout=True)
+    # --lora-train-only: the engines keep the base and serve no adapter.
+    base_only = slime_flags(lora_rank=8, target_modules=["all-linear"], lora_train_only=True)
+    assert not [flag for flag in sglang_cli(base_only) if "lora" in flag]
+    assert not [flag for flag in build_cpu_engine_args(base_only, model_path="/m", host="h", port=5) if "lora" in flag]
+    # Released weights come back only from SGLang's CPU copy: no adapter push resends the base (nor does a
+    # --lora-train-only run, which pushes nothing).
+    for lora_rank, train_only, backup in ((8, False, True), (8, True, True), (0, False, False)):
+        offloaded = slime_flags(
+            lora_rank=lora_rank, target_modules=["all-linear"], offload_rollout=True, lora_train_only=train_only
+        )
         assert ("--enable-weights-cpu-backup" in sglang_cli(offloaded)) is backup

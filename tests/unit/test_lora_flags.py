@@ -57,7 +57,6 @@ def test_lora_flags_parse_under_megatron(tmp_path):
         ([*LOCAL, "--target-modules", "q_proj", "qkv_proj"], "not qkv_proj; name those, or use --train-backend fsdp"),
         ([*LOCAL, *MOE_FLAGS], "is an MoE model, and LoRA on its expert layers (gate_proj up_proj down_proj)"),
         ([*LOCAL, *MOE_FLAGS, "--target-modules", "q_proj", "up_proj"], "(up_proj) is not supported"),
-        ([*LOCAL, "--lora-train-only"], "--lora-train-only is not supported"),
         ([*LOCAL, "--multi-lora-n-adapters", "2"], "--multi-lora-n-adapters 2 is not supported"),
     ],
 )  # fmt: skip

@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from slime.utils.engine_args import engine_api_key as engine_api_key  # importable here, as before
-from slime.utils.lora import lora_enabled
+from slime.utils.lora import engines_serve_adapter, lora_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def build_sglang_server_args(
         **_lora_serving_options(args, every_linear="all"),
     }
     if lora_enabled(args) and args.offload_rollout:
-        # Released weights come back only from a CPU copy: with LoRA no push ever resends the base.
+        # Released weights come back only from a CPU copy: with LoRA (--lora-train-only too) no push resends the base.
         slime_options["enable_weights_cpu_backup"] = True
     parser = sglang_cli_parser()
     return options_to_cli_args(slime_options) + options_to_cli_args(drop_parser_defaults(user_options, parser), parser)
@@ -186,7 +186,7 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     ignored = _normalized_options(drop_parser_defaults(args.sglang_server_args or {}, sglang_cli_parser()))
     ignored.pop("api_key", None)
     # The one SGLang LoRA field the CPU engine takes from the user; the others follow --lora-rank.
-    max_loras_per_batch = ignored.pop("max_loras_per_batch", None) if lora_enabled(args) else None
+    max_loras_per_batch = ignored.pop("max_loras_per_batch", None) if engines_serve_adapter(args) else None
     if ignored:
         logger.warning("the CPU engine ignores these --sglang-* flags: %s", ", ".join(sorted(ignored)))
     return options_to_cli_args(
@@ -205,12 +205,13 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
 
 
 def _lora_serving_options(args: argparse.Namespace, every_linear: str) -> dict[str, Any]:
-    """SGLang's LoRA serving fields for `--lora-rank`: the engines serve the trained adapter beside the base.
+    """SGLang's LoRA serving fields for `--lora-rank`: the engines serve the trained adapter beside the base (none
+    with `--lora-train-only`, where they keep the base).
 
     Args:
         every_linear: The engine's name for `--target-modules all-linear` (SGLang: "all"); leaf names pass as they are.
     """
-    if not lora_enabled(args):
+    if not engines_serve_adapter(args):
         return {}
     targets = list(getattr(args, "target_modules", None) or ["all-linear"])
     return {

@@ -97,6 +97,7 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
         "test_megatron_lora_actor.py::test_megatron_lora_trains_only_the_adapter_as_fsdp_does",
         "test_megatron_lora_actor.py::test_checkpoint_resumes_exactly_and_holds_a_peft_folder",
     ),
+    "lora_train_only": ("test_lora_run.py::test_lora_train_only_trains_the_adapter_while_the_engines_keep_the_base",),
     "check_lora_weight_equal": (
         "test_fsdp_lora.py::test_pushes_send_only_the_adapter_which_the_engine_serves",
         "test_megatron_lora_actor.py::test_pushed_adapter_is_what_the_engine_serves",

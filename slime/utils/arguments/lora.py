@@ -50,7 +50,9 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--lora-train-only",
         action="store_true",
-        help="Train the adapter while the engines keep generating with the base model.",
+        help="Train the adapter while the engines keep generating with the base model: no weight update is pushed "
+        "and rollouts request no adapter, so the rollouts are off-policy once the adapter moves (the train/rollout "
+        "log-prob gap shows by how much; --use-tis corrects for it).",
     )
     group.add_argument(
         "--check-lora-weight-equal",
@@ -74,6 +76,7 @@ def _validate_lora(args: argparse.Namespace) -> None:
             ("--lora-dropout", args.lora_dropout != 0.0),
             ("--exclude-modules", args.exclude_modules is not None),
             ("--check-lora-weight-equal", args.check_lora_weight_equal),
+            ("--lora-train-only", args.lora_train_only),
             ("--target-modules", args.target_modules != ["all-linear"]),
         )
         if given
@@ -88,6 +91,11 @@ def _validate_lora(args: argparse.Namespace) -> None:
         _fail(f"--lora-alpha must be positive (got {args.lora_alpha}); the adapter's updates scale by alpha/rank.")
     if not 0.0 <= args.lora_dropout < 1.0:
         _fail(f"--lora-dropout must be in [0, 1) (got {args.lora_dropout}).")
+    if args.lora_train_only and args.check_lora_weight_equal:
+        _fail(
+            "--lora-train-only keeps the engines on the base model and pushes no adapter, so "
+            "--check-lora-weight-equal has nothing to check: drop one."
+        )
     if "all-linear" in args.target_modules and len(args.target_modules) > 1:
         _fail(f"--target-modules {' '.join(args.target_modules)}: all-linear stands alone; or list leaf names.")
     if args.lora_adapter_path is not None:

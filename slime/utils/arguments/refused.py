@@ -86,10 +86,6 @@ REFUSED_FLAGS: dict[str, Refusal] = {
         backends=("megatron",),
     ),
     "only_train_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
-    "lora_train_only": Refusal(
-        "training an adapter the engines do not serve is not implemented",
-        "drop it; with --lora-rank the engines generate with the adapter being trained",
-    ),
     "multi_lora_n_adapters": Refusal(
         "training several adapters in one job is not implemented yet",
         "drop it; run one job per adapter (each with its own --lora-rank)",
