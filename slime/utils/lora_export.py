@@ -43,7 +43,7 @@ def save_adapter_export(
     trust_remote_code: bool = False,
 ) -> None:
     """`--save-hf` under `--lora-rank`: a PEFT adapter folder (and the tokenizer), atomically. A collective: every
-    training rank calls it; rank 0 writes.
+    training rank calls it; rank 0 writes, and an error there is raised on every rank (`atomic_dir.on_rank0`).
 
     Args:
         path: The output folder: absent, or an earlier slime export (replaced whole).
@@ -55,19 +55,18 @@ def save_adapter_export(
     Raises:
         FileExistsError: `path` exists and slime did not write it (checked before any work).
     """
-    import torch.distributed as dist
-
     path = Path(path).absolute()
     atomic_dir.on_rank0(atomic_dir.check_replaceable, path, "--save-hf")
     gathered = tensors()
-    if not dist.is_initialized() or dist.get_rank() == 0:
+
+    def write() -> None:
         staging = atomic_dir.create_staging(path, "hf-export", "--save-hf")
         write_adapter_folder(staging, gathered, config)
         if tokenizer_path is not None:
             load_tokenizer(tokenizer_path, trust_remote_code).save_pretrained(str(staging))
         atomic_dir.publish(staging, path, "hf-export", "--save-hf")
-    if dist.is_initialized():
-        dist.barrier()
+
+    atomic_dir.on_rank0(write)
 
 
 def checkpoint_adapter(load: str | Path, step: int | None = None) -> Path | None:

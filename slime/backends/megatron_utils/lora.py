@@ -373,15 +373,7 @@ def load_adapter_from_hf(model_chunks: list[nn.Module], tensors: Mapping[str, to
         KeyError: a tensor this rank's adapters need is missing.
         ValueError: a tensor's shape does not match (another rank or targets).
     """
-    for chunk, name, adapter in _adapters(model_chunks):
-        for factor in ("lora_A", "lora_B"):
-            saved = _saved_name(adapter, factor)
-            if saved not in tensors:
-                raise KeyError(f"the adapter has no {saved}; was it trained with other --target-modules?")
-            param = getattr(adapter, factor)
-            shard = shard_tensor_parallel(f"{name}.{factor}", tensors[saved], param, chunk)
-            with torch.no_grad():
-                param.copy_(shard.to(dtype=param.dtype, device=param.device))
+    _copy_into_adapters(model_chunks, tensors, "the adapter", full_tensors=True)
 
 
 def adapter_sharded_state_dict(model_chunks: list[nn.Module]) -> dict:
@@ -413,14 +405,25 @@ def load_adapter_shards(model_chunks: list[nn.Module], shards: Mapping[str, torc
     Raises:
         KeyError: an adapter of this rank is missing from `shards`.
     """
-    for _, _, adapter in _adapters(model_chunks):
+    _copy_into_adapters(model_chunks, shards, "the checkpoint", full_tensors=False)
+
+
+def _copy_into_adapters(
+    model_chunks: list[nn.Module], tensors: Mapping[str, torch.Tensor], source: str, full_tensors: bool
+) -> None:
+    """Copy `tensors` (by PEFT saved name) into this rank's adapters: full tensors are cut to this rank's
+    tensor-parallel shard first, shards go in as they are. `source` names where they came from in the error."""
+    for chunk, name, adapter in _adapters(model_chunks):
         for factor in ("lora_A", "lora_B"):
             key = _saved_name(adapter, factor)
-            if key not in shards:
-                raise KeyError(f"the checkpoint has no {key}; was it trained with other --target-modules?")
+            if key not in tensors:
+                raise KeyError(f"{source} has no {key}; was it trained with other --target-modules?")
             param = getattr(adapter, factor)
+            value = tensors[key]
+            if full_tensors:
+                value = shard_tensor_parallel(f"{name}.{factor}", value, param, chunk)
             with torch.no_grad():
-                param.copy_(shards[key])
+                param.copy_(value.to(dtype=param.dtype, device=param.device))
 
 
 @contextlib.contextmanager
