@@ -35,6 +35,11 @@ from slime.utils.perf import PhaseTimer
 
 
 def train(args) -> None:
+    if args.multi_lora_n_adapters > 1:
+        raise SystemExit(
+            f"train_async.py does not train several adapters (--multi-lora-n-adapters {args.multi_lora_n_adapters}): "
+            "use train.py"
+        )
     if args.colocate:
         raise SystemExit(
             "train_async.py generates while it trains, so engines and trainer cannot share devices: "

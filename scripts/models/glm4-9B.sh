@@ -1,9 +1,9 @@
 # GLM-4-9B-0414 (HF: THUDM/GLM-4-9B-0414, model_type glm4). Rotary on half of each head, interleaved;
 # extra norms after attention and after the MLP. megatron-core's own layer specs have no such norms,
-# so --spec names slime's GLM-4 layer spec (slime_plugins/models/glm4.py), which adds them.
+# so --spec names slime's GLM-4 layer spec (slime/plugins/models/glm4.py), which adds them.
 # Source this, then pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=(
-   --spec slime_plugins.models.glm4 get_glm4_spec
+   --spec slime.plugins.models.glm4 get_glm_spec
    --num-layers 40
    --hidden-size 4096
    --ffn-hidden-size 13696

@@ -6,6 +6,11 @@ assistant turn's content (its turn terminator, the new tool / user messages, the
 sampled tokens themselves are kept exactly as the engine returned them: re-rendering a finished conversation
 and tokenizing it again gives other tokens (merges across the turn boundary, templates that rewrite earlier
 assistant turns), and training on those does not converge.
+
+Vision-language models: a message's content may hold image parts (OpenAI's `{"type": "image_url", "image_url":
+{"url": ...}}` or HF's `{"type": "image", "image": ...}`); the template gets each as `{"type": "image"}` and writes the
+model's image placeholder once, and `message_images` gives the images in the same order, for the caller to expand
+the placeholders (`slime.utils.data.VisionPrompter`) and send the images along.
 """
 
 from __future__ import annotations
@@ -38,11 +43,80 @@ def content_text(content: Any) -> str:
     raise ValueError("content must be a string, a list of {'type': 'text', 'text': ...} parts, or null")
 
 
+def image_reference(part: Any) -> Any | None:
+    """The image of a content part: an OpenAI `image_url` part's URL (a `data:` URL, base64 or a local path), an HF
+    `image` part's `image` (also a PIL image); None for any other part.
+
+    Raises:
+        ValueError: an image part that holds no image.
+    """
+    if not isinstance(part, dict) or part.get("type") not in ("image_url", "image"):
+        return None
+    value = part.get("image_url") if part["type"] == "image_url" else part.get("image")
+    if isinstance(value, dict):
+        value = value.get("url")
+    if value is None or value == "":
+        raise ValueError(
+            "an image part must hold its image: {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}"
+            " or {'type': 'image', 'image': ...}"
+        )
+    return value
+
+
+def content_parts(content: Any) -> tuple[str, list[Any]]:
+    """The text of a message `content` and the images in it (`image_reference` of each image part, in order).
+
+    Raises:
+        ValueError: `content` is not a string, None or a list of text and image parts.
+    """
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") in ("image_url", "image") for p in content
+    ):
+        return content_text(content), []
+    text, images = [], []
+    for part in content:
+        image = image_reference(part)
+        if image is not None:
+            images.append(image)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        else:
+            raise ValueError(
+                "content must be a string, a list of {'type': 'text', 'text': ...} and image parts, or null"
+            )
+    return "".join(text), images
+
+
+def message_images(messages: list[dict[str, Any]], first: int = 0) -> list[tuple[str, Any]]:
+    """Every image of `messages[first:]`, in the order the chat template writes their placeholders, as (where,
+    image): `where` names the part (`messages[2].content[1]`) for error messages."""
+    found = []
+    for i, message in enumerate(messages[first:], start=first):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            image = image_reference(part)
+            if image is not None:
+                found.append((f"messages[{i}].content[{j}]", image))
+    return found
+
+
+def _template_content(content: Any) -> str | list[dict[str, str]]:
+    """Content as chat templates take it: its text, or (with images) text and `{"type": "image"}` parts in order."""
+    text, images = content_parts(content)
+    if not images:
+        return text
+    return [
+        {"type": "image"} if image_reference(part) is not None else {"type": "text", "text": part["text"]}
+        for part in content
+    ]
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI-style messages as chat templates expect them: content as text, tool-call arguments as mappings."""
+    """OpenAI-style messages as chat templates expect them: content as text (or text and image parts), tool-call
+    arguments as mappings."""
     out = []
     for message in messages:
-        message = {**message, "content": content_text(message.get("content"))}
+        message = {**message, "content": _template_content(message.get("content"))}
         calls = []
         for call in message.get("tool_calls") or []:
             function = dict(call.get("function") or {})

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import functools
 import logging
@@ -40,6 +41,7 @@ import os
 import random
 import re
 import resource
+import shlex
 import shutil
 import signal
 import struct
@@ -49,6 +51,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +116,18 @@ class SandboxResult:
         return f"{head}\n{error_line}" if head and not head.endswith("\n") else head + error_line
 
 
-async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+async def run_python(code: str, limits: SandboxLimits | None = None, workdir: str | None = None) -> SandboxResult:
     """Run `code` as a Python script in a fresh sandbox and return what happened. Never raises because of what the
-    code does; raises RuntimeError only when this machine cannot run a sandbox at all (the message says why)."""
+    code does; raises RuntimeError only when this machine cannot run a sandbox at all (the message says why).
+
+    Args:
+        workdir: A host directory the program runs in, seen at the same path inside; what it writes there outlives
+            the run (`LocalSandbox` keeps one per sandbox). None: a private empty /tmp that dies with the run.
+    """
     limits = limits or SandboxLimits()
     plan = await asyncio.to_thread(_plan)
     start = time.monotonic()
-    spawn = _Spawn.make(plan, limits)
+    spawn = _Spawn.make(plan, limits, workdir)
     capture = _Capture(limits.max_output_bytes)
     killed = False
     try:
@@ -167,6 +176,228 @@ def run_python_sync(code: str, limits: SandboxLimits | None = None) -> SandboxRe
     except RuntimeError:
         return asyncio.run(run_python(code, limits))
     raise RuntimeError("run_python_sync was called inside a running event loop; use `await run_python(code)`")
+
+
+# ---- upstream's sandbox interface (slime.agent.sandbox.Sandbox) --------------------------------------------------
+ExecResult = tuple[int, str, str]
+FileContent = str | bytes | Path
+# exec_and_wait's exit code when the command outran its time budget and was killed.
+EXIT_TIME_BUDGET_EXCEEDED = -2
+# GNU timeout's exit status for a command it had to stop.
+_TIMEOUT_STATUS = 124
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """What agent code may ask of a sandbox, wherever it runs (upstream's contract): an async context manager with
+    `exec` (a shell command -> (exit_code, stdout, stderr)), `write_file` (text, bytes, or a host `Path` to copy in)
+    and `read_file`. `LocalSandbox` runs on this machine; `E2BSandbox` in E2B's cloud."""
+
+    sandbox_id: str
+
+    async def __aenter__(self) -> Sandbox: ...
+
+    async def __aexit__(self, exc_type, exc, tb) -> None: ...
+
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        user: str = "root",
+        env: dict[str, str] | None = None,
+        timeout: int = 120,
+        check: bool = False,
+    ) -> ExecResult: ...
+
+    async def write_file(self, sandbox_path: str, content: FileContent, *, user: str = "root") -> None: ...
+
+    async def read_file(self, sandbox_path: str, *, user: str = "root") -> str: ...
+
+
+class LocalSandbox:
+    """`Sandbox` on this machine: each `exec` is a `run_python` sandbox (limits, no network unless
+    `limits.allow_network`, private /tmp) running `sh -c cmd` in the sandbox's working directory, a host temporary
+    directory whose files persist from one command to the next and are removed on exit.
+
+        async with LocalSandbox() as sb:
+            await sb.write_file("solution.py", code)
+            exit_code, stdout, stderr = await sb.exec("python3 solution.py", timeout=10)
+
+    Paths may be relative (to `workdir`) or absolute inside `workdir`. `user` is accepted for upstream's interface and
+    has no effect: every command runs as the sandbox's own unprivileged uid. A command stopped at `timeout` seconds
+    exits with 124 (as under GNU `timeout`); another limit hit (memory, CPU, output) kills it with 137. The limit that
+    stopped it is the last line of stderr.
+
+    Args:
+        limits: Per-command limits (`wall_time_s` is replaced by each call's `timeout`).
+    """
+
+    def __init__(self, limits: SandboxLimits | None = None):
+        self.limits = limits or SandboxLimits()
+        self.workdir = ""
+        self.sandbox_id = ""
+
+    async def __aenter__(self) -> LocalSandbox:
+        self.workdir = os.path.realpath(tempfile.mkdtemp(prefix="slime-workdir-"))
+        self.sandbox_id = os.path.basename(self.workdir)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def path(self, sandbox_path: str) -> str:
+        """The absolute path of `sandbox_path` (relative paths are taken from `workdir`).
+
+        Raises:
+            ValueError: The path leads outside `workdir`, or the sandbox is not entered.
+        """
+        if not self.workdir:
+            raise ValueError("the LocalSandbox is not open; use it as `async with LocalSandbox() as sb:`")
+        path = os.path.realpath(os.path.join(self.workdir, sandbox_path))
+        if path != self.workdir and not path.startswith(self.workdir + os.sep):
+            raise ValueError(f"{sandbox_path!r} is outside this sandbox's working directory {self.workdir}")
+        return path
+
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        user: str = "root",
+        env: dict[str, str] | None = None,
+        timeout: int = 120,
+        check: bool = False,
+    ) -> ExecResult:
+        """Run `cmd` with `sh -c` in `workdir`, `env` added to the sandbox's minimal environment.
+
+        Raises:
+            RuntimeError: `check` is set and the command did not exit with 0 (the message holds its stderr).
+        """
+        limits = dataclasses.replace(self.limits, wall_time_s=float(timeout), cpu_time_s=float(timeout))
+        # A Python stub replaces itself with the shell: the exit status and output are the command's own.
+        stub = f"import os\nos.execve('/bin/sh', ['sh', '-c', {cmd!r}], {{**os.environ, **{dict(env or {})!r}}})\n"
+        result = await run_python(stub, limits, workdir=self.path("."))
+        stderr = result.stderr
+        if result.violation:
+            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"slime sandbox: {result.violation}\n"
+        code = result.exit_code
+        if code is None:
+            code = _TIMEOUT_STATUS if result.violation and "wall-clock" in result.violation else 137
+        if check and code != 0:
+            raise RuntimeError(f"sandbox command failed (exit code {code}): {cmd[:200]}\n{stderr[-2000:]}")
+        return code, result.stdout, stderr
+
+    async def write_file(self, sandbox_path: str, content: FileContent, *, user: str = "root") -> None:
+        """Write text, bytes, or a copy of the host file `content` (a `Path`); parent directories are made."""
+        path = self.path(sandbox_path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if isinstance(content, Path):
+            await asyncio.to_thread(shutil.copyfile, content, path)
+        else:
+            with open(path, "wb" if isinstance(content, bytes) else "w") as f:
+                f.write(content)
+
+    async def read_file(self, sandbox_path: str, *, user: str = "root") -> str:
+        """The file's text; "" when it does not exist (as upstream's sandboxes answer)."""
+        try:
+            with open(self.path(sandbox_path), errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+
+async def exec_and_wait(
+    sb: Sandbox,
+    *,
+    cmd: str,
+    user: str = "root",
+    env: dict[str, str] | None = None,
+    workdir: str | None = None,
+    time_budget_sec: float,
+    tag: str = "exec",
+    want_output: bool = False,
+) -> tuple[int, str]:
+    """Run a long command (an agent CLI, a test suite) to completion in `sb` within `time_budget_sec`.
+
+    The command runs under `timeout`, which stops it and everything it started at the budget; the exit code is
+    then `EXIT_TIME_BUDGET_EXCEEDED`. `tag` names the run in logs.
+
+    Returns:
+        (exit_code, output): `output` is stdout and stderr together when `want_output`, else "".
+    """
+    budget = max(1, int(time_budget_sec + 0.999))
+    line = f"timeout -k 5 {budget} sh -c {shlex.quote(cmd)} 2>&1"
+    if workdir:
+        line = f"cd {shlex.quote(workdir)} && {line}"
+    # The sandbox's own limit comes after `timeout`'s, so the command's exit status always comes back.
+    code, stdout, stderr = await sb.exec(line, user=user, env=env, timeout=budget + 30)
+    if code == _TIMEOUT_STATUS:
+        logger.warning("sandbox %s: %s ran past its time budget of %s s", sb.sandbox_id, tag, budget)
+        code = EXIT_TIME_BUDGET_EXCEEDED
+    return code, (stdout + stderr if want_output else "")
+
+
+class E2BSandbox:
+    """`Sandbox` in E2B's cloud (`pip install e2b`, credentials in `E2B_API_KEY`), started from the template
+    `image`.
+
+    Args:
+        image: The E2B template to start.
+        timeout: Seconds the sandbox may live (default 3600).
+        metadata: E2B metadata of the sandbox.
+    """
+
+    def __init__(self, image: str, *, timeout: int | None = None, metadata: dict[str, str] | None = None):
+        self.image, self.timeout, self.metadata = image, timeout or 3600, dict(metadata or {})
+        self.sandbox_id = ""
+        self._sb = None
+
+    async def __aenter__(self) -> E2BSandbox:
+        if not os.environ.get("E2B_API_KEY"):
+            raise RuntimeError(
+                "E2BSandbox needs E2B credentials: set the E2B_API_KEY environment variable to your E2B API key, "
+                "or run the agent in slime.agent.sandbox.LocalSandbox on this machine"
+            )
+        try:
+            from e2b import AsyncSandbox
+        except ImportError:
+            raise RuntimeError("E2BSandbox needs the e2b package: pip install e2b") from None
+        self._sb = await AsyncSandbox.create(template=self.image, timeout=self.timeout, metadata=self.metadata)
+        self.sandbox_id = self._sb.sandbox_id
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if self._sb is not None:
+            await self._sb.kill()
+
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        user: str = "root",
+        env: dict[str, str] | None = None,
+        timeout: int = 120,
+        check: bool = False,
+    ) -> ExecResult:
+        """Run `cmd` in the sandbox (see `Sandbox`)."""
+        from e2b.sandbox.commands.command_handle import CommandExitException
+
+        try:
+            result = await self._sb.commands.run(cmd, user=user, envs=env, timeout=timeout)
+        except CommandExitException as error:  # e2b raises for a non-zero exit
+            if check:
+                raise RuntimeError(f"sandbox command failed (exit code {error.exit_code}): {cmd[:200]}") from None
+            return error.exit_code, error.stdout or "", error.stderr or ""
+        return result.exit_code, result.stdout or "", result.stderr or ""
+
+    async def write_file(self, sandbox_path: str, content: FileContent, *, user: str = "root") -> None:
+        """Write text, bytes, or a copy of the host file `content` (a `Path`)."""
+        data = content.read_bytes() if isinstance(content, Path) else content
+        await self._sb.files.write(sandbox_path, data, user=user)
+
+    async def read_file(self, sandbox_path: str, *, user: str = "root") -> str:
+        """The file's text."""
+        return await self._sb.files.read(sandbox_path, user=user)
 
 
 @dataclass
@@ -232,7 +463,7 @@ def _plan() -> _Plan:
 
 def _probe(plan: _Plan) -> str | None:
     """None when a sandbox with this plan runs a trivial program, else the reason it does not."""
-    spawn = _Spawn.make(plan, SandboxLimits())
+    spawn = _Spawn.make(plan, SandboxLimits(), None)
     try:
         out = subprocess.run(spawn.argv, timeout=30, **spawn.popen_kwargs("print('ok')"))
     except (OSError, subprocess.SubprocessError) as e:
@@ -367,18 +598,28 @@ class _Spawn:
     uid: int | None  # the fresh uid when running as root
     workdir: str | None  # host temporary directory, only without a mount namespace (else a private tmpfs)
     cgroup: _MemoryCgroup | None  # bounds the memory of the whole run, where the machine allows one
-    argv: tuple[str, ...] = (sys.executable, "-I", "-u", SCRIPT)
+    user_dir: str | None = None  # the caller's working directory (run_python's `workdir`), bound in at its own path
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return (sys.executable, "-I", "-u", os.path.join(self.workdir or "/tmp", SCRIPT))
 
     @staticmethod
-    def make(plan: _Plan, limits: SandboxLimits) -> _Spawn:
+    def make(plan: _Plan, limits: SandboxLimits, user_dir: str | None) -> _Spawn:
         uid = UID_BASE + random.randrange(UID_RANGE) if plan.as_root else None
         workdir = None
         if not plan.namespaces:
             workdir = tempfile.mkdtemp(prefix="slime-sandbox-")
             if uid is not None:
                 os.chown(workdir, uid, uid)
+        if user_dir is not None:
+            user_dir = os.path.realpath(user_dir)
+            if uid is not None:  # each run has a fresh uid: hand it the directory and all the earlier runs left there
+                for root, dirs, files in os.walk(user_dir):
+                    for name in (root, *(os.path.join(root, n) for n in dirs + files)):
+                        os.lchown(name, uid, uid)
         cgroup = _MemoryCgroup.create(plan.cgroup_parent, limits.memory_mb) if plan.cgroup_parent else None
-        return _Spawn(plan, limits, uid, workdir, cgroup)
+        return _Spawn(plan, limits, uid, workdir, cgroup, user_dir)
 
     def popen_kwargs(self, code: str) -> dict:
         home = self.workdir or "/tmp"
@@ -464,11 +705,13 @@ def _child_setup(spawn: _Spawn, code: bytes) -> None:
             if pid := os.fork():
                 _relay_exit(pid)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-            _mount_private_tree(plan, limits, uid)
-        with open(SCRIPT, "xb") as f:
+            _mount_private_tree(plan, limits, uid, spawn.user_dir)
+        with open(spawn.argv[-1], "xb") as f:
             f.write(code)
             if uid is not None:
                 os.fchown(f.fileno(), uid, uid)
+        if spawn.user_dir is not None:
+            os.chdir(spawn.user_dir)
         cpu = max(1, int(limits.cpu_time_s + 0.999))
         mb = 1 << 20
         for res, value in (
@@ -573,16 +816,19 @@ def _relay_exit(pid: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
-def _mount_private_tree(plan: _Plan, limits: SandboxLimits, uid: int | None) -> None:
-    """In the sandbox (pid 1, still privileged): private /tmp, /var/tmp, /dev/shm and /proc; interpreter visible."""
+def _mount_private_tree(plan: _Plan, limits: SandboxLimits, uid: int | None, user_dir: str | None) -> None:
+    """In the sandbox (pid 1, still privileged): private /tmp, /var/tmp, /dev/shm and /proc; interpreter and
+    `user_dir` visible at their own paths."""
     owner, group = (uid, uid) if uid is not None else (os.getuid(), os.getgid())
     _sys("mount", b"none", b"/", None, MS_REC | MS_PRIVATE, None)  # nothing below propagates to the host
-    keep = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in plan.interpreter]
+    bound = [*plan.interpreter, *([user_dir] if user_dir else [])]
+    # Opened before the tmpfs mounts below can cover them (e.g. a directory under /tmp or /root).
+    keep = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in bound]
     for hole in plan.holes:
         _sys("mount", b"tmpfs", hole.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=755,size=1m")
     tmp_options = f"mode=700,uid={owner},gid={group},size={limits.memory_mb}m".encode()
     _sys("mount", b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, tmp_options)
-    for directory, fd in zip(plan.interpreter, keep):
+    for directory, fd in zip(bound, keep):
         os.makedirs(directory, exist_ok=True)
         _sys("mount", f"/proc/self/fd/{fd}".encode(), directory.encode(), None, MS_BIND | MS_REC, None)
         os.close(fd)

@@ -162,12 +162,41 @@ def vanilla_tis_function(
         `tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]`: the weighted per-token loss,
         the loss masks (unchanged), and the metrics of `compute_is_weights` renamed to `tis_*`.
     """
+    return _token_ratio_weighted(args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, mode="clip")
+
+
+def icepop_function(
+    args: Namespace,
+    *,
+    pg_loss: torch.Tensor,
+    train_log_probs: list[torch.Tensor],
+    rollout_log_probs: list[torch.Tensor],
+    loss_masks: list[torch.Tensor],
+    **kwargs: Any,
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """IcePop, upstream's masking alternative to `--use-tis`'s truncation, for both backends:
+    `--custom-tis-function-path slime.algorithms.importance.icepop_function` (or upstream's path,
+    `slime.backends.megatron_utils.loss.icepop_function`).
+
+    Each token's policy loss is weighted by its ratio r = exp(train - rollout) when `tis_clip_low <= r <= tis_clip`
+    and by 0 outside that band (`compute_is_weights`, token level, "mask" mode). Truncation keeps an out-of-band
+    token at the bound; IcePop drops it. With the band [0.5, 2], a token the engine sampled with probability 0.01
+    that the trainer gives 0.1 (r = 10) adds nothing to the gradient, where truncation would still weight it by 2:
+    such tokens measure the engine/trainer mismatch more than the policy. In-band tokens (r = 1.2) get r under both.
+
+    Args and returns as `vanilla_tis_function`'s; `tis_clipfrac` is the share of trainable tokens dropped.
+    """
+    return _token_ratio_weighted(args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, mode="mask")
+
+
+def _token_ratio_weighted(args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, mode: str):
+    """`pg_loss` weighted per token by `compute_is_weights` in `mode`, with its metrics renamed `tis_*`."""
     weights, metrics = compute_is_weights(
         train_log_probs,
         rollout_log_probs,
         loss_masks,
         level="token",
-        mode="clip",
+        mode=mode,
         lower=args.tis_clip_low,
         upper=args.tis_clip,
     )

@@ -23,13 +23,15 @@ import torch
 
 from slime.algorithms.advantages import group_baseline_rewards
 from slime.backends.sglang_utils.router import RouterHandle
+from slime.observability.logging_utils import pop_logged_metrics
 from slime.ray.engine_pool import EnginePool
 from slime.ray.engine_pool import wait_for_external_engines as wait_for_external_engines  # its old home
 from slime.ray.placement_group import PlacementSlice
-from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
-from slime.rollout.data_source import compute_num_rollout
+from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn
+from slime.rollout.data_source import MultiLoraDataSource, compute_num_rollout
 from slime.rollout.rm_hub import pop_reward_metrics, start_reward_workers
 from slime.utils import progress as rollout_progress
+from slime.utils.lora import adapter_metric_name, lora_adapter_count
 from slime.utils.misc import load_function
 from slime.utils.run_context import RunContext, expose_to_plugins
 from slime.utils.seqlen_balancing import balanced_partitions
@@ -47,25 +49,53 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
+def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
+    """(raw rewards, rewards to train on) of the samples: the user's `--custom-reward-post-process-path`
+    f(args, samples) -> (raw_rewards, rewards), which may read dict rewards whole (`sample.get_reward_value(args)`
+    without `--reward-key`), else each sample's scalar reward and the estimator's per-prompt baseline.
+
+    Raises:
+        ValueError: The post-process function did not return two lists of numbers, one per sample.
+    """
+    path = args.custom_reward_post_process_path
+    if not path:
+        raw_rewards = [s.get_reward_value(args.reward_key) for s in samples]
+        return raw_rewards, group_baseline_rewards(args, raw_rewards)  # GRPO, RLOO, ...
+    output = load_function(path)(args, samples)
+    if not (isinstance(output, tuple | list) and len(output) == 2):
+        raise ValueError(f"--custom-reward-post-process-path {path} must return (raw_rewards, rewards), got {output!r}")
+    checked = []
+    for name, values in zip(("raw_rewards", "rewards"), output, strict=True):
+        try:
+            numbers = [float(v) for v in values]  # plain, numpy or 0-d tensor numbers
+        except (TypeError, ValueError):
+            numbers = None
+        if numbers is None or len(numbers) != len(samples):
+            raise ValueError(
+                f"--custom-reward-post-process-path {path} returned {name} {list(values)[:4]}...: it must hold one "
+                f"number per sample ({len(samples)}); turn dict rewards into numbers there"
+            )
+        checked.append(numbers)
+    return checked[0], checked[1]
+
+
+def samples_to_train_data(
+    args, samples: list[Sample], rewards: tuple[list[float], list[float]] | None = None
+) -> dict[str, list]:
     """Flatten samples into the train data dict; rewards are normalized per the advantage estimator.
 
     Args:
         args: Parsed arguments (`advantage_estimator`, `n_samples_per_prompt`, `reward_key`, ...).
         samples: Samples in group order (`n_samples_per_prompt` consecutive samples per prompt).
+        rewards: `post_process_rewards(args, samples)` when the caller has it already.
 
     Returns:
         dict with tokens, response_lengths, rewards, raw_reward, truncated, loss_masks,
-        rollout_log_probs, rollout_routed_experts and teacher_log_probs (each when every sample has them) and
-        sample_indices. A sample with `remove_sample` set, or an `unfinished` one (aborted or failed, never
+        rollout_log_probs, rollout_routed_experts and teacher_log_probs (each when every sample has them),
+        multimodal_train_inputs (when any sample has images; None for the others) and sample_indices. A sample with `remove_sample` set, or an `unfinished` one (aborted or failed, never
         scored; reward 0), keeps its place in its group but gets an all-zero loss mask.
     """
-    if args.custom_reward_post_process_path:
-        raw_rewards, rewards = load_function(args.custom_reward_post_process_path)(args, samples)
-    else:
-        raw_rewards = [s.get_reward_value(args.reward_key) for s in samples]
-        rewards = group_baseline_rewards(args, raw_rewards)  # the estimator's per-prompt baseline (GRPO, RLOO, ...)
-
+    raw_rewards, rewards = rewards if rewards is not None else post_process_rewards(args, samples)
     data: dict[str, list] = {
         "tokens": [s.tokens for s in samples],
         "response_lengths": [s.response_length for s in samples],
@@ -88,8 +118,12 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
         data["rollout_routed_experts"] = [s.rollout_routed_experts for s in samples]
     if all(s.teacher_log_probs is not None for s in samples):  # on-policy distillation (--use-opd)
         data["teacher_log_probs"] = [s.teacher_log_probs for s in samples]
+    if any(s.multimodal_train_inputs for s in samples):  # vision-language: each sample's pixel_values, image grid
+        data["multimodal_train_inputs"] = [s.multimodal_train_inputs for s in samples]
     if args.keep_old_actor:  # the trainer takes old log-probs from the weights that generated them
         data["weight_versions"] = [s.weight_versions[-1] if s.weight_versions else None for s in samples]
+    if all(s.lora_adapter is not None for s in samples):  # --multi-lora-n-adapters: which adapter trains on each
+        data["lora_adapters"] = [s.lora_adapter for s in samples]
     return data
 
 
@@ -97,15 +131,18 @@ def samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
 REQUIRED_TRAIN_DATA_KEYS = ("tokens", "response_lengths", "rewards", "loss_masks")
 
 
-def convert_samples_to_train_data(args, samples: list[Sample]) -> dict[str, list]:
-    """`samples_to_train_data`, or the user's `--custom-convert-samples-to-train-data-path` f(args, samples) -> dict.
+def convert_samples_to_train_data(
+    args, samples: list[Sample], rewards: tuple[list[float], list[float]] | None = None
+) -> dict[str, list]:
+    """`samples_to_train_data` (given `rewards`, see there), or the user's
+    `--custom-convert-samples-to-train-data-path` f(args, samples) -> dict.
 
     Raises:
         ValueError: The custom result is not a dict of per-sample lists with the keys the trainers need.
     """
     path = args.custom_convert_samples_to_train_data_path
     if not path:
-        return samples_to_train_data(args, samples)
+        return samples_to_train_data(args, samples, rewards)
     data = load_function(path)(args, samples)
     if not isinstance(data, dict):
         raise ValueError(
@@ -148,23 +185,34 @@ def pass_at_k(groups: list[list[float]]) -> dict[int, float]:
     }
 
 
-def reward_breakdown_metrics(args, groups: list[list[Sample]], reward_key: str | None, prefix: str) -> dict[str, float]:
+def reward_breakdown_metrics(
+    args, groups: list[list[Sample]], reward_key: str | None, prefix: str, rewards: list[float] | None = None
+) -> dict[str, float]:
     """The optional reward figures: `--log-passrate` (`<prefix>/pass@k`), `--log-reward-category`
-    (`<prefix>/reward/<category>`), `--log-correct-samples` (response lengths of passing / failing samples)."""
+    (`<prefix>/reward/<category>`), `--log-correct-samples` (response lengths of passing / failing samples).
+
+    `rewards` are the scalar rewards of the groups' samples in order, when the caller has them (see
+    `rollout_metrics`); otherwise they are read with `reward_key`.
+    """
+    samples = [s for group in groups for s in group]
+    if not (args.log_passrate or args.log_reward_category or args.log_correct_samples):
+        return {}
+    if rewards is None:
+        rewards = [s.get_reward_value(reward_key) for s in samples]
     metrics: dict[str, float] = {}
     if args.log_passrate:
-        rewards = [[s.get_reward_value(reward_key) for s in group] for group in groups]
-        metrics |= {f"{prefix}/pass@{k}": value for k, value in pass_at_k(rewards).items()}
-    samples = [s for group in groups for s in group]
+        flat = iter(rewards)
+        by_group = [[next(flat) for _ in group] for group in groups]
+        metrics |= {f"{prefix}/pass@{k}": value for k, value in pass_at_k(by_group).items()}
     if args.log_reward_category:
         by_category: dict[str, list[float]] = {}
-        for s in samples:
+        for s, r in zip(samples, rewards, strict=True):
             category = str((s.metadata or {}).get(args.log_reward_category, "none"))
-            by_category.setdefault(category, []).append(s.get_reward_value(reward_key))
+            by_category.setdefault(category, []).append(r)
         metrics |= {f"{prefix}/reward/{c}": sum(r) / len(r) for c, r in sorted(by_category.items())}
     if args.log_correct_samples:
         for name, passed in (("correct", True), ("incorrect", False)):
-            lengths = [s.response_length for s in samples if (s.get_reward_value(reward_key) >= 1) == passed]
+            lengths = [s.response_length for s, r in zip(samples, rewards, strict=True) if (r >= 1) == passed]
             if lengths:
                 metrics[f"{prefix}/{name}_response_length"] = sum(lengths) / len(lengths)
     return metrics
@@ -174,14 +222,23 @@ def split_train_data_by_dp(args, data: dict[str, list], dp_size: int) -> list[di
     """Give each data-parallel rank its share of every optimizer step's global batch.
 
     The rollout holds `num_steps_per_rollout` global batches back to back; within each, samples
-    go to ranks round-robin, or token-balanced with `--balance-data`.
+    go to ranks round-robin, or token-balanced with `--balance-data`. With `--use-dynamic-global-batch-size` the
+    rollout is one global batch of its own size, less the remainder past a multiple of `dp_size` (dropped from
+    the end).
     """
     num_samples = len(data["tokens"])
-    global_batch_size = args.global_batch_size
+    if args.use_dynamic_global_batch_size:
+        num_samples -= num_samples % dp_size
+        if num_samples == 0:
+            raise ValueError(f"--use-dynamic-global-batch-size: {len(data['tokens'])} samples for {dp_size} ranks")
+        global_batch_size = num_samples
+    else:
+        global_batch_size = args.global_batch_size
     if num_samples % global_batch_size or global_batch_size % dp_size:
         raise ValueError(
             f"{num_samples} samples do not split into global batches of --global-batch-size {global_batch_size} "
-            f"over {dp_size} data-parallel ranks"
+            f"over {dp_size} data-parallel ranks; a generate function that returns several samples per prompt "
+            "(or none) needs --use-dynamic-global-batch-size"
         )
     rank_indices: list[list[int]] = [[] for _ in range(dp_size)]
     for start in range(0, num_samples, global_batch_size):
@@ -197,14 +254,20 @@ def split_train_data_by_dp(args, data: dict[str, list], dp_size: int) -> list[di
     for indices in rank_indices:
         shard = {key: [values[i] for i in indices] for key, values in data.items()}
         shard["num_steps"] = num_samples // global_batch_size
-        shard["total_response_tokens"] = sum(data["response_lengths"])
         per_rank.append(shard)
     return per_rank
 
 
-def rollout_metrics(samples: list[Sample], reward_key: str | None, elapsed: float) -> dict[str, float]:
-    """Reward, length, truncation and throughput figures of one rollout (`unfinished` samples count as reward 0)."""
-    rewards = [s.get_reward_value(reward_key) for s in samples]
+def rollout_metrics(
+    samples: list[Sample], reward_key: str | None, elapsed: float, rewards: list[float] | None = None
+) -> dict[str, float]:
+    """Reward, length, truncation and throughput figures of one rollout (`unfinished` samples count as reward 0).
+
+    `rewards` are the samples' scalar rewards when the caller has them (after `--custom-reward-post-process-path`);
+    otherwise they are read with `reward_key`.
+    """
+    if rewards is None:
+        rewards = [s.get_reward_value(reward_key) for s in samples]
     lengths = [s.response_length for s in samples]
     n = max(len(samples), 1)
     return {
@@ -216,6 +279,24 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None, elapsed: floa
         "rollout/time": elapsed,
         "rollout/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
     }
+
+
+def adapter_rollout_metrics(
+    samples: list[Sample], reward_key: str | None, elapsed: float, rewards: list[float] | None = None
+) -> dict[str, float]:
+    """`rollout_metrics` of each adapter's samples (`--multi-lora-n-adapters`), as `rollout/adapter_<k>/<name>`
+    (the rollout's time and throughput are the whole rollout's: left out)."""
+    by_adapter: dict[int, list[int]] = {}
+    for i, sample in enumerate(samples):
+        by_adapter.setdefault(sample.lora_adapter, []).append(i)
+    metrics = {}
+    for adapter, indices in sorted(by_adapter.items()):
+        picked = None if rewards is None else [rewards[i] for i in indices]
+        part = rollout_metrics([samples[i] for i in indices], reward_key, elapsed, picked)
+        for name in ("rollout/time", "rollout/tokens_per_s"):
+            del part[name]
+        metrics |= {adapter_metric_name(name, adapter): value for name, value in part.items()}
+    return metrics
 
 
 def start_rollout(path: str, args, context: RunContext, data_source) -> Callable[..., Any]:
@@ -249,7 +330,9 @@ class RolloutManager:
         if not args.debug_train_only:
             self.engine_pool.start_in_background()  # whatever needs the engines waits for them (`wait_for_engines`)
             start_reward_workers(args)  # in the background too
-        self.data_source = load_function(args.data_source_path)(args)
+        # --multi-lora-n-adapters: one prompt stream per adapter (validation keeps --data-source-path the default)
+        multi_lora = lora_adapter_count(args) > 1
+        self.data_source = MultiLoraDataSource(args) if multi_lora else load_function(args.data_source_path)(args)
         # --num-rollout wins over --num-epoch (validation warns of both).
         num_rollout = (
             args.num_rollout if args.num_rollout is not None else compute_num_rollout(args, len(self.data_source))
@@ -319,9 +402,13 @@ class RolloutManager:
         """Put restarted engines, which now hold the current weights, back into the router."""
         self.engine_pool.readmit(indices)
 
-    def _call_rollout_fn(self, fn, rollout_id: int, evaluation: bool):
+    def _call_rollout_fn(self, fn, rollout_id: int, evaluation: bool, args=None, data_source=None):
+        """`call_rollout_fn` on the manager's data source (or `data_source`, with `args`); a failure the engines
+        explain is reported as theirs."""
+        args = self.args if args is None else args
+        data_source = self.data_source if data_source is None else data_source
         try:
-            output = fn(self.args, rollout_id, self.data_source, evaluation=evaluation)
+            output = call_rollout_fn(fn, args, rollout_id, data_source, evaluation=evaluation)
         except Exception as e:
             problem = self.engine_pool.serving_problem(rollout_id)
             if problem:
@@ -344,32 +431,57 @@ class RolloutManager:
             n = args.n_samples_per_prompt
             groups = [samples[i : i + n] for i in range(0, len(samples), n)]
         else:
-            output = self._call_rollout_fn(self.rollout_fn, rollout_id, evaluation=False)
-            if isinstance(output, RolloutFnTrainOutput):
-                groups, extra_metrics = output.samples, output.metrics
-            else:
-                groups, extra_metrics = output, {}
+            output = self._train_rollout(rollout_id)
+            groups, extra_metrics = output.samples, dict(output.metrics or {})
             groups = [group if isinstance(group, list) else [group] for group in groups]
             samples = [s for group in groups for s in group]
         elapsed = time.time() - started
         if args.save_debug_rollout_data:
             self._save_debug_rollout_data(rollout_id, samples)
 
+        # A --custom-reward-post-process-path function may turn dict rewards into numbers: it runs first and the
+        # figures below report its raw rewards (a custom train data conversion does its own reward processing).
+        rewards = (
+            post_process_rewards(args, samples)
+            if args.custom_reward_post_process_path and not args.custom_convert_samples_to_train_data_path
+            else None
+        )
+        raw_rewards = rewards[0] if rewards is not None else None
         log_function = args.custom_rollout_log_function_path
         # The user's f(rollout_id, args, samples, extra_metrics, rollout_time) -> True replaces the default figures.
         if log_function and load_function(log_function)(rollout_id, args, samples, extra_metrics, elapsed):
             metrics = dict(extra_metrics)
         else:
-            metrics = {**rollout_metrics(samples, args.reward_key, elapsed), **extra_metrics}
-            metrics |= reward_breakdown_metrics(args, groups, args.reward_key, "rollout")
-        metrics |= pop_reward_metrics() | self.engine_pool.metrics()
+            metrics = {**rollout_metrics(samples, args.reward_key, elapsed, raw_rewards), **extra_metrics}
+            metrics |= reward_breakdown_metrics(args, groups, args.reward_key, "rollout", raw_rewards)
+            if isinstance(self.data_source, MultiLoraDataSource):
+                metrics |= adapter_rollout_metrics(samples, args.reward_key, elapsed, raw_rewards)
+        # What plugins logged with slime.observability.logging_utils.log during this rollout joins its row.
+        metrics |= pop_reward_metrics() | self.engine_pool.metrics() | pop_logged_metrics()
         if args.debug_rollout_only:
             return RolloutBatch(rollout_id, [], metrics)
-        data = convert_samples_to_train_data(args, samples)
+        data = convert_samples_to_train_data(args, samples, rewards)
         shards = split_train_data_by_dp(args, data, dp_size)
+        if args.use_dynamic_global_batch_size:
+            metrics["rollout/dropped_samples"] = len(data["tokens"]) % dp_size  # past the last multiple of the DP size
         if args.save_debug_train_data:
             self._save_debug_train_data(rollout_id, shards)
         return RolloutBatch(rollout_id, [ray.put(shard) for shard in shards], metrics)
+
+    def _train_rollout(self, rollout_id: int) -> RolloutFnTrainOutput:
+        """The rollout function's training output. With several LoRA adapters it runs once per adapter, on that
+        adapter's prompts and with its reward, so that every adapter gets its full batch whatever the dynamic filter
+        drops or the engines abort; the adapters' groups follow one another (each fills whole global batches) and
+        the function's own figures come per adapter."""
+        if not isinstance(self.data_source, MultiLoraDataSource):
+            return self._call_rollout_fn(self.rollout_fn, rollout_id, evaluation=False)
+        groups, metrics = [], {}
+        for adapter, source in enumerate(self.data_source.sources):
+            args = self.data_source.rollout_args(self.args, adapter)
+            output = self._call_rollout_fn(self.rollout_fn, rollout_id, False, args, source)
+            groups += output.samples
+            metrics |= {adapter_metric_name(name, adapter): value for name, value in (output.metrics or {}).items()}
+        return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
     @ray.method(concurrency_group="progress")
     def progress(self) -> list[rollout_progress.ProgressState]:
@@ -402,14 +514,13 @@ class RolloutManager:
         if not (self.args.eval_prompt_data or self.args.eval_config):
             return {}
         output = self._call_rollout_fn(self.eval_fn, rollout_id, evaluation=True)
-        data = output.data if isinstance(output, RolloutFnEvalOutput) else output
-        metrics = dict(output.metrics) if isinstance(output, RolloutFnEvalOutput) else {}
+        data, metrics = output.data, dict(output.metrics or {})
         if self.args.save_debug_rollout_data:
             self._save_debug_eval_data(rollout_id, data)
         log_function = self.args.custom_eval_rollout_log_function_path
         # The user's f(rollout_id, args, data, extra_metrics) -> True replaces the default eval figures.
         if log_function and load_function(log_function)(rollout_id, self.args, data, metrics):
-            return metrics
+            return metrics | pop_logged_metrics()
         reward_key = self.args.eval_reward_key or self.args.reward_key
         for name, result in data.items():
             rewards = result["rewards"]

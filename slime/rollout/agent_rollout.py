@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from slime.agent.chat_turns import prompt_ids
-from slime.agent.multi_turn import load_tokenizer
+from slime.agent.multi_turn import load_tokenizer, load_vision
 from slime.agent.trajectory_proxy import TrajectoryProxy, session_to_sample
 from slime.utils.engine_args import context_limit as default_context_limit
 from slime.utils.engine_args import engine_api_key
@@ -65,6 +65,7 @@ async def get_proxy(args) -> TrajectoryProxy:
             api_key=engine_api_key(args),
             request_timeout=getattr(args, "sglang_router_request_timeout_secs", None),
             lora_path=rollout_adapter(args),
+            vision=load_vision(args.hf_checkpoint, args.trust_remote_code),  # image parts, for a VLM
         )
     await _proxy.start()
     return _proxy

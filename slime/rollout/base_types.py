@@ -22,3 +22,13 @@ class RolloutFnEvalOutput:
 
     data: dict[str, dict[str, Any]]
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def call_rollout_fn(fn, *args, evaluation: bool, **kwargs) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """Call a rollout function `fn(*args, evaluation=evaluation, **kwargs)` and return its output as a
+    `RolloutFnEvalOutput` (eval) or `RolloutFnTrainOutput` (train): a function that returns the bare eval dict or
+    list of groups (the older contract) gets it wrapped, with no metrics."""
+    output = fn(*args, **kwargs, evaluation=evaluation)
+    if isinstance(output, RolloutFnTrainOutput | RolloutFnEvalOutput):
+        return output
+    return RolloutFnEvalOutput(data=output) if evaluation else RolloutFnTrainOutput(samples=output)

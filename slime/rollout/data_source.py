@@ -202,88 +202,98 @@ class RolloutDataSource:
             self.dataset.shuffle(self.epoch_id)
 
     def save(self, rollout_id: int) -> str:
-        """Write the state to `{--save}/rollout/data_source_{rollout_id}.pt`, atomically.
-
-        The file must load with `torch.load(weights_only=True)` (plain Python values and tensors), so that
-        resuming never runs code from a file; this is checked before the file takes its real name.
-
-        Args:
-            rollout_id: The rollout step just finished.
-
-        Returns:
-            The path written.
-
-        Raises:
-            TypeError: the state (e.g. sample metadata in the buffer) holds other objects.
-        """
-        if self.args.save is None:
-            raise ValueError("saving the data source needs --save (the checkpoint directory)")
-        directory = os.path.join(self.args.save, "rollout")
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"data_source_{rollout_id}.pt")
-        # Write beside the target and rename, so a crash never leaves a truncated checkpoint under the real name.
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".data_source_{rollout_id}.", suffix=".tmp")
-        try:
-            state = self.state_dict()
-            unsafe = _first_unsafe_value(state)
-            if unsafe:
-                raise TypeError(
-                    f"the data source state of rollout {rollout_id} holds an object a checkpoint cannot store safely "
-                    f"({unsafe}); keep Sample.metadata / label / reward of samples put back into the buffer to "
-                    "plain Python values (str, int, float, bool, None, list, dict) and tensors"
-                )
-            with os.fdopen(fd, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            torch.load(tmp_path, weights_only=True)  # the guarantee itself: resuming will never unpickle code
-            os.replace(tmp_path, path)
-        except BaseException:
-            if os.path.exists(tmp_path):
-                os.remove(tmp_path)
-            raise
-        logger.info("saved data source state to %s", path)
-        return path
+        """Write the state to `{--save}/rollout/data_source_{rollout_id}.pt`, atomically (`save_state`)."""
+        return save_state(self.args, self.state_dict(), rollout_id)
 
     def load(self, rollout_id: int | None = None) -> None:
-        """Restore the state saved by `save` from `{--load}/rollout/`.
+        """Restore the state saved by `save` from `{--load}/rollout/` (`load_state`; no-op on a fresh start)."""
+        loaded = load_state(self.args, rollout_id)
+        if loaded is not None:
+            self.load_state_dict(loaded[0])
+            logger.info(
+                "loaded data source state from %s (epoch %d, offset %d)", loaded[1], self.epoch_id, self.sample_offset
+            )
 
-        Args:
-            rollout_id: The step to load; None loads the latest one present, and is a no-op
-                (fresh start) when `--load` holds no data source checkpoint.
-        """
-        directory = None if self.args.load is None else os.path.join(self.args.load, "rollout")
-        saved_ids = []
-        if directory is not None and os.path.isdir(directory):
-            saved_ids = sorted(int(m.group(1)) for name in os.listdir(directory) if (m := _CHECKPOINT_NAME.match(name)))
-        if rollout_id is None:
-            if not saved_ids:
-                logger.info("no data source checkpoint under --load=%s; starting from the first prompt", self.args.load)
-                return
-            rollout_id = saved_ids[-1]
-        elif rollout_id not in saved_ids:
-            raise FileNotFoundError(
-                f"no data source checkpoint for rollout {rollout_id} under --load={self.args.load} "
-                f"(found rollouts: {saved_ids or 'none'}); pass an existing rollout id or check --load"
+
+def save_state(args: Any, state: dict[str, Any], rollout_id: int) -> str:
+    """Write a data source's state to `{--save}/rollout/data_source_{rollout_id}.pt`, atomically.
+
+    The file must load with `torch.load(weights_only=True)` (plain Python values and tensors), so that
+    resuming never runs code from a file; this is checked before the file takes its real name.
+
+    Returns:
+        The path written.
+
+    Raises:
+        TypeError: the state (e.g. sample metadata in the buffer) holds other objects.
+    """
+    if args.save is None:
+        raise ValueError("saving the data source needs --save (the checkpoint directory)")
+    directory = os.path.join(args.save, "rollout")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"data_source_{rollout_id}.pt")
+    # Write beside the target and rename, so a crash never leaves a truncated checkpoint under the real name.
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".data_source_{rollout_id}.", suffix=".tmp")
+    try:
+        unsafe = _first_unsafe_value(state)
+        if unsafe:
+            raise TypeError(
+                f"the data source state of rollout {rollout_id} holds an object a checkpoint cannot store safely "
+                f"({unsafe}); keep Sample.metadata / label / reward of samples put back into the buffer to "
+                "plain Python values (str, int, float, bool, None, list, dict) and tensors"
             )
-        path = os.path.join(directory, f"data_source_{rollout_id}.pt")
-        try:
-            state = torch.load(path, weights_only=True)  # `save` wrote only plain values and tensors
-        except pickle.UnpicklingError as e:
-            raise ValueError(
-                f"{path} holds objects beyond plain Python values and tensors ({e}); "
-                "slime does not unpickle them, as that could run code from the file. It was not written by this "
-                "version of slime's data source: resume from a checkpoint it wrote, or start a new run"
-            ) from e
-        self.load_state_dict(state)
-        start_rollout_id = self.args.start_rollout_id
-        if start_rollout_id is not None and start_rollout_id != rollout_id + 1:
-            logger.warning(
-                "loaded data source of rollout %d but --start-rollout-id is %d; prompts and model steps may not line up",
-                rollout_id,
-                start_rollout_id,
-            )
-        logger.info("loaded data source state from %s (epoch %d, offset %d)", path, self.epoch_id, self.sample_offset)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        torch.load(tmp_path, weights_only=True)  # the guarantee itself: resuming will never unpickle code
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
+    logger.info("saved data source state to %s", path)
+    return path
+
+
+def load_state(args: Any, rollout_id: int | None = None) -> tuple[dict[str, Any], str] | None:
+    """The state `save_state` wrote under `{--load}/rollout/`, and its path.
+
+    Args:
+        rollout_id: The step to load; None loads the latest one present, and gives None (fresh start) when
+            `--load` holds no data source checkpoint.
+    """
+    directory = None if args.load is None else os.path.join(args.load, "rollout")
+    saved_ids = []
+    if directory is not None and os.path.isdir(directory):
+        saved_ids = sorted(int(m.group(1)) for name in os.listdir(directory) if (m := _CHECKPOINT_NAME.match(name)))
+    if rollout_id is None:
+        if not saved_ids:
+            logger.info("no data source checkpoint under --load=%s; starting from the first prompt", args.load)
+            return None
+        rollout_id = saved_ids[-1]
+    elif rollout_id not in saved_ids:
+        raise FileNotFoundError(
+            f"no data source checkpoint for rollout {rollout_id} under --load={args.load} "
+            f"(found rollouts: {saved_ids or 'none'}); pass an existing rollout id or check --load"
+        )
+    path = os.path.join(directory, f"data_source_{rollout_id}.pt")
+    try:
+        state = torch.load(path, weights_only=True)  # `save_state` wrote only plain values and tensors
+    except pickle.UnpicklingError as e:
+        raise ValueError(
+            f"{path} holds objects beyond plain Python values and tensors ({e}); "
+            "slime does not unpickle them, as that could run code from the file. It was not written by this "
+            "version of slime's data source: resume from a checkpoint it wrote, or start a new run"
+        ) from e
+    start_rollout_id = args.start_rollout_id
+    if start_rollout_id is not None and start_rollout_id != rollout_id + 1:
+        logger.warning(
+            "loaded data source of rollout %d but --start-rollout-id is %d; prompts and model steps may not line up",
+            rollout_id,
+            start_rollout_id,
+        )
+    return state, path
 
 
 def pop_first(args: Any, rollout_id: int | None, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
@@ -364,3 +374,92 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.buffer = [[Sample.from_dict(d) for d in group] for group in state.get("buffer", [])]
+
+
+class AdapterDataSource(RolloutDataSourceWithBuffer):
+    """One adapter's prompt stream under `--multi-lora-n-adapters`: the adapter's file of `--multi-lora-prompt-data`,
+    with its own position and buffer.
+
+    The samples it hands out carry the adapter (`Sample.lora_adapter`), and indices unique over all the adapters'
+    streams: `index * K + adapter` (group indices likewise).
+
+    Args:
+        args: Parsed arguments (as for `RolloutDataSource`; the file is `multi_lora_prompt_data[adapter]`).
+        adapter: The adapter's index.
+        tokenizer: As for `RolloutDataSource`.
+    """
+
+    def __init__(self, args: Any, adapter: int, tokenizer: Any = None):
+        own = copy.copy(args)
+        own.prompt_data = args.multi_lora_prompt_data[adapter]
+        super().__init__(own, tokenizer)
+        self.adapter = adapter
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        groups = super().get_samples(num_samples)
+        count = self.args.multi_lora_n_adapters
+        for sample in (s for group in groups for s in group):
+            if sample.lora_adapter is None:  # fresh from the file; groups put back are tagged already
+                sample.lora_adapter = self.adapter
+                sample.index = sample.index * count + self.adapter
+                sample.group_index = sample.group_index * count + self.adapter
+        return groups
+
+
+class MultiLoraDataSource:
+    """The data source of `--multi-lora-n-adapters K`: one `AdapterDataSource` per adapter (`sources`), each drawn
+    by its own rollout call (the rollout manager's), and saved and restored together in one checkpoint file.
+
+    Args:
+        args: Parsed arguments (multi_lora_prompt_data, multi_lora_rm_path, and what `RolloutDataSource` reads).
+        tokenizer: As for `RolloutDataSource` (loaded once for every adapter).
+    """
+
+    def __init__(self, args: Any, tokenizer: Any = None):
+        self.args = args
+        if tokenizer is None and (args.apply_chat_template or args.rollout_max_prompt_len is not None):
+            tokenizer = _load_tokenizer(args)
+        self.sources = [AdapterDataSource(args, k, tokenizer) for k in range(args.multi_lora_n_adapters)]
+
+    def __len__(self) -> int:
+        """Prompts in the largest adapter's file: `--num-epoch` counts passes over it (smaller files wrap around)."""
+        return max(len(source) for source in self.sources)
+
+    def rollout_args(self, args: Any, adapter: int) -> Any:
+        """`args` for adapter `adapter`'s rollout call: its reward function (`--multi-lora-rm-path`) in place of the
+        run's, when given."""
+        paths = self.args.multi_lora_rm_path
+        if paths is None:
+            return args
+        own = copy.copy(args)
+        own.custom_rm_path = paths[adapter]
+        return own
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every adapter's position and buffer."""
+        return {"adapters": [source.state_dict() for source in self.sources]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("adapters")
+        if not isinstance(saved, list) or len(saved) != len(self.sources):
+            have = f"{len(saved)} adapters" if isinstance(saved, list) else "a single data source"
+            raise ValueError(
+                f"the data source checkpoint holds {have}, but this run trains --multi-lora-n-adapters "
+                f"{len(self.sources)}; resume with the adapter count it was saved with"
+            )
+        for source, source_state in zip(self.sources, saved, strict=True):
+            source.load_state_dict(source_state)
+
+    def save(self, rollout_id: int) -> str:
+        """Write every adapter's state to `{--save}/rollout/data_source_{rollout_id}.pt` (`save_state`)."""
+        return save_state(self.args, self.state_dict(), rollout_id)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        """Restore what `save` wrote (`load_state`; no-op on a fresh start)."""
+        loaded = load_state(self.args, rollout_id)
+        if loaded is not None:
+            self.load_state_dict(loaded[0])
+            positions = ", ".join(
+                f"adapter {s.adapter}: epoch {s.epoch_id} offset {s.sample_offset}" for s in self.sources
+            )
+            logger.info("loaded data source state from %s (%s)", loaded[1], positions)

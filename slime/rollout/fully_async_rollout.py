@@ -48,12 +48,14 @@ from dataclasses import dataclass
 
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer
+from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.rm_hub import batched_async_rm
 from slime.rollout.sglang_rollout import (
     DefaultRollout,
     RolloutState,
     finish_rollout_batch,
     generate_and_rm,
+    generate_function_name,
     get_state,
     reset_to_prompt,
     sampling_params_from_args,
@@ -193,7 +195,8 @@ class FullyAsyncWorker:
         self.error: BaseException | None = None
         self.held = False  # a save reads the data source: no draws, no drops meanwhile
         self.next_rollout_id = 0
-        self.counts = dict.fromkeys(("submitted", "stale", "filtered", "aborted"), 0)
+        self.counts = dict.fromkeys(("submitted", "stale", "filtered", "aborted", "empty"), 0)
+        self.metric_gatherer = MetricGatherer()
         self.idle_time, self.idle_since = 0.0, None  # seconds with nothing in flight; since when
         self._wake_loop, self._wake_taker = asyncio.Event(), asyncio.Event()
         self._main = asyncio.run_coroutine_threadsafe(self._run(), self.loop)
@@ -257,13 +260,24 @@ class FullyAsyncWorker:
                 self._fail(task.exception())
                 return
             group.samples = task.result()
-            dynamic_filter = self.state.dynamic_filter
-            if dynamic_filter is not None:
-                verdict = dynamic_filter(self.args, group.samples)
-                if not (verdict if isinstance(verdict, bool) else verdict.keep):
-                    self.counts["filtered"] += 1
-                    self.filtered.append(group.samples)
-                    return
+            if not group.samples:
+                logger.warning(
+                    "%s returned no samples for prompt group %s; the group is dropped",
+                    generate_function_name(self.args, group.prompts[0]),
+                    group.prompts[0].group_index,
+                )
+                self.counts["empty"] += 1
+                return
+            verdict = call_dynamic_filter(self.state.dynamic_filter, self.args, group.samples)
+            # The groups still in the running: those in flight or waiting, and this one.
+            remaining = len(self.in_flight) + len(self.finished) + 1
+            if should_drop_dynamic_filter_output(
+                verdict, remaining_batch_size=remaining, target_data_size=self.args.rollout_batch_size
+            ):
+                self.counts["filtered"] += 1
+                self.metric_gatherer.on_dynamic_filter_drop(verdict.reason)
+                self.filtered.append(group.samples)
+                return
             self.finished.append(group)
             self._sort_out_stale()
         except Exception as error:  # a done-callback's exception would only be logged by asyncio
@@ -274,7 +288,7 @@ class FullyAsyncWorker:
     async def _generate_group(self, samples: list[Sample]) -> list[Sample]:
         results = await asyncio.gather(*(self._generate_sample(s) for s in samples))
         samples = [s for result in results for s in result]
-        if self.args.group_rm:
+        if self.args.group_rm and samples:
             for s, reward in zip(samples, await batched_async_rm(self.args, samples), strict=True):
                 s.reward = reward
         return samples
@@ -357,8 +371,11 @@ class FullyAsyncWorker:
             "rollout/stale_groups": float(self.counts["stale"]),
             "rollout/dropped_groups": float(self.counts["filtered"]),
             "rollout/aborted_requests": float(self.counts["aborted"]),
+            "rollout/empty_groups": float(self.counts["empty"]),
             "rollout/pipeline_groups": float(len(self.in_flight) + len(self.finished)),
         }
+        metrics |= self.metric_gatherer.collect()
+        self.metric_gatherer = MetricGatherer()
         metrics |= staleness_metrics(kept, self.context.trainer_weight_version())
         self.filtered, self.idle_time = [], 0.0
         self.counts = dict.fromkeys(self.counts, 0)

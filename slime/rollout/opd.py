@@ -9,7 +9,8 @@ log-probs of the response tokens. The trainer then subtracts `--opd-kl-coef` x (
 from the advantages (`slime.algorithms.opd`).
 
 Without `--opd-teacher-url`, user code sets `Sample.teacher_log_probs` (upstream's recipe: a
-`--custom-rm-path` that asks the teacher and a `--custom-reward-post-process-path` that stores them). Without
+`--custom-rm-path` that asks the teacher and a `--custom-reward-post-process-path` that stores them; both are in
+`slime.rollout.on_policy_distillation`, on top of this module). Without
 `--rm-type` and `--custom-rm-path` every sample's reward is 0: pure distillation, the teacher term is the
 whole learning signal.
 """
@@ -28,11 +29,11 @@ class TeacherError(RuntimeError):
     """The teacher engine could not be reached, refused a sample, or answered without usable log-probs."""
 
 
-def teacher_generate_url(url: str) -> str:
-    """The teacher's `/generate` URL, from its base URL (`http://host:port`) or that URL itself."""
-    parts = urlsplit(url)
+def teacher_generate_url(url: str, flag: str = "--opd-teacher-url") -> str:
+    """The teacher's `/generate` URL, from its base URL (`http://host:port`) or that URL itself; `flag` named it."""
+    parts = urlsplit(url or "")
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"--opd-teacher-url {url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:30000")
+        raise ValueError(f"{flag} {url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:30000")
     return url if parts.path.rstrip("/").endswith("/generate") else url.rstrip("/") + "/generate"
 
 
@@ -77,22 +78,21 @@ def teacher_log_probs_from_response(response: dict, sample: Sample, url: str) ->
     return log_probs
 
 
-async def fetch_teacher_log_probs(args: argparse.Namespace, sample: Sample) -> list[float]:
-    """The teacher's log-prob of each of `sample`'s response tokens, from the engine at `--opd-teacher-url`.
+async def request_teacher(args: argparse.Namespace, sample: Sample, url: str, flag: str = "--opd-teacher-url") -> dict:
+    """The teacher's raw `/generate` answer to `teacher_request(args, sample)` at `url`.
 
     Connection failures and 502/503 answers are retried (3 times, backing off); a request waits at most
     `--sglang-router-request-timeout-secs` when that is set.
 
+    Args:
+        flag: The flag that named `url`, for the error message.
+
     Raises:
-        TeacherError: The teacher is unreachable, refused the request (the message has its answer), or answered
-            without the log-probs.
+        TeacherError: The teacher is unreachable, or refused the request (the message has its answer).
     """
-    if sample.response_length == 0:
-        return []
-    url = teacher_generate_url(args.opd_teacher_url)
     timeout = getattr(args, "sglang_router_request_timeout_secs", None)
     try:
-        response = await async_post_json(url, teacher_request(args, sample), timeout=timeout)
+        return await async_post_json(url, teacher_request(args, sample), timeout=timeout)
     except HTTPRequestError as error:
         raise TeacherError(
             f"the OPD teacher at {url} refused sample {sample.index} ({len(sample.tokens)} tokens) with HTTP "
@@ -100,9 +100,21 @@ async def fetch_teacher_log_probs(args: argparse.Namespace, sample: Sample) -> l
         ) from error
     except (ConnectionError, asyncio.TimeoutError) as error:
         raise TeacherError(
-            f"cannot reach the OPD teacher at {url} ({error!r}); start the teacher engine or fix --opd-teacher-url"
+            f"cannot reach the OPD teacher at {url} ({error!r}); start the teacher engine or fix {flag}"
         ) from error
-    return teacher_log_probs_from_response(response, sample, url)
+
+
+async def fetch_teacher_log_probs(args: argparse.Namespace, sample: Sample) -> list[float]:
+    """The teacher's log-prob of each of `sample`'s response tokens, from the engine at `--opd-teacher-url`
+    (see `request_teacher`).
+
+    Raises:
+        TeacherError: The teacher is unreachable, refused the request, or answered without the log-probs.
+    """
+    if sample.response_length == 0:
+        return []
+    url = teacher_generate_url(args.opd_teacher_url)
+    return teacher_log_probs_from_response(await request_teacher(args, sample, url), sample, url)
 
 
 def _no_reward_configured(args: argparse.Namespace, sample: Sample) -> bool:

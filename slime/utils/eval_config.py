@@ -43,6 +43,9 @@ class EvalDatasetConfig:
     input_key: str | None = None
     label_key: str | None = None
     tool_key: str | None = None
+    # The set's own generate function and reward (dotted paths), in place of the run's (upstream's fields).
+    custom_generate_function_path: str | None = None
+    custom_rm_path: str | None = None
     metadata_overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -114,32 +117,61 @@ def load_eval_config(path: str) -> list[EvalDatasetConfig]:
     return datasets
 
 
+def pick_from_args(args, attrs: tuple[str, ...]) -> Any:
+    """The first of `args`' attributes `attrs` that is set (not None), else None."""
+    return _first(*(getattr(args, attr, None) for attr in attrs))
+
+
+def _spec(*arg_attrs: str, key: str) -> dict[str, tuple[str, ...]]:
+    return {"dataset_keys": (key,), "default_keys": (key,), "arg_attrs": arg_attrs}
+
+
+# Where each per-dataset setting comes from, first found wins (upstream's tables, same shape): the dataset's own
+# entry (`dataset_keys`), then `eval.defaults` (`default_keys`), then the first flag of `arg_attrs` that is set.
+# slime reads only `arg_attrs` (`load_eval_config` has merged entry over defaults already); the key names are kept
+# for upstream code that reads these tables.
+DATASET_RUNTIME_SPECS: dict[str, dict[str, tuple[str, ...]]] = {
+    "n_samples_per_eval_prompt": _spec(
+        "n_samples_per_eval_prompt", "n_samples_per_prompt", key="n_samples_per_eval_prompt"
+    ),
+    "temperature": _spec("eval_temperature", "rollout_temperature", key="temperature"),
+    "top_p": _spec("eval_top_p", "rollout_top_p", key="top_p"),
+    "top_k": _spec("eval_top_k", "rollout_top_k", key="top_k"),
+    "max_response_len": _spec("eval_max_response_len", "rollout_max_response_len", key="max_response_len"),
+    "max_prompt_len": _spec("eval_max_prompt_len", "rollout_max_prompt_len", key="max_prompt_len"),
+    "min_new_tokens": _spec("eval_min_new_tokens", key="min_new_tokens"),
+}
+# The same for how a dataset's rows are read and scored.
+DATASET_SAMPLE_SPECS: dict[str, dict[str, tuple[str, ...]]] = {
+    "input_key": _spec("eval_input_key", "input_key", key="input_key"),
+    "label_key": _spec("eval_label_key", "label_key", key="label_key"),
+    "tool_key": _spec("eval_tool_key", "tool_key", key="tool_key"),
+    "reward_key": _spec("eval_reward_key", "reward_key", key="reward_key"),
+}
+
+
 def eval_datasets(args) -> list[EvalDatasetConfig]:
-    """The run's evaluation sets with every setting resolved against the `--eval-*` / `--rollout-*` flags."""
+    """The run's evaluation sets with every setting resolved by `DATASET_RUNTIME_SPECS` and `DATASET_SAMPLE_SPECS`
+    (`load_eval_config` has already merged each dataset's entry over `eval.defaults`). `rm_type` has no flag: unset,
+    the run's `--rm-type` / `--custom-rm-path` score the set."""
     if args.eval_config:
         configured = load_eval_config(args.eval_config)
     else:
         configured = [EvalDatasetConfig(name=name, path=path) for name, path in (args.eval_prompt_data or [])]
-    flag_values = {
-        "n_samples_per_eval_prompt": args.n_samples_per_eval_prompt,
-        "temperature": _first(args.eval_temperature, args.rollout_temperature),
-        "top_p": _first(args.eval_top_p, args.rollout_top_p),
-        "top_k": _first(args.eval_top_k, args.rollout_top_k),
-        "max_response_len": _first(args.eval_max_response_len, args.rollout_max_response_len),
-        "max_prompt_len": _first(args.eval_max_prompt_len, args.rollout_max_prompt_len),
-        "min_new_tokens": args.eval_min_new_tokens,
-        "rm_type": None,  # None: the run's --rm-type / --custom-rm-path
-        "reward_key": _first(args.eval_reward_key, args.reward_key),
-        "input_key": _first(args.eval_input_key, args.input_key),
-        "label_key": _first(args.eval_label_key, args.label_key),
-        "tool_key": _first(args.eval_tool_key, args.tool_key),
-    }
+    specs = DATASET_RUNTIME_SPECS | DATASET_SAMPLE_SPECS
+    flag_values = {key: pick_from_args(args, spec["arg_attrs"]) for key, spec in specs.items()}
     resolved = []
     for dataset in configured:
         values = {key: _first(getattr(dataset, key), default) for key, default in flag_values.items()}
         resolved.append(
             EvalDatasetConfig(
-                name=dataset.name, path=dataset.path, metadata_overrides=dataset.metadata_overrides, **values
+                name=dataset.name,
+                path=dataset.path,
+                rm_type=dataset.rm_type,
+                custom_generate_function_path=dataset.custom_generate_function_path,
+                custom_rm_path=dataset.custom_rm_path,
+                metadata_overrides=dataset.metadata_overrides,
+                **values,
             )
         )
     return resolved

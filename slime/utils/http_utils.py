@@ -13,12 +13,22 @@ connections. Both retry only when the connection itself failed (the request neve
 or the server went away mid-request) and raise `HTTPRequestError` with the status and body otherwise.
 Neither goes through an http_proxy from the environment (aiohttp ignores it by default, urllib is told
 to), since engines and routers are internal addresses.
+
+Upstream slime's helpers that plugins call keep upstream's names and signatures: `post`, `get` and
+`init_http_client` on the shared session, `find_available_port` on the port finder, `get_host_info`,
+`run_router` (sglang-router in the calling process, on 127.0.0.1 unless told otherwise) and `terminate_process`.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
+import logging
+import multiprocessing
+import os
 import random
 import socket
 import subprocess
@@ -31,8 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
+
+logger = logging.getLogger(__name__)
 
 PORT_RANGE = (10000, 32768)
+LOOPBACK = "127.0.0.1"
 
 # OS entropy, not the global `random`: training code seeds that identically in every process, which would
 # send concurrent engines probing from the same port.
@@ -70,17 +84,22 @@ def bearer_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def find_free_port(host: str = "127.0.0.1", exclude: set[int] | frozenset[int] = frozenset()) -> int:
+def find_free_port(
+    host: str = "127.0.0.1",
+    exclude: set[int] | frozenset[int] = frozenset(),
+    port_range: tuple[int, int] = PORT_RANGE,
+) -> int:
     """Return a port on `host` that nothing is bound to right now and this process has not handed out before.
 
     Args:
-        host: Interface to probe, e.g. "127.0.0.1" or "0.0.0.0".
+        host: Interface to probe, e.g. "127.0.0.1" or "0.0.0.0" (every interface).
         exclude: Ports the caller already plans to use and must not get back.
+        port_range: `[low, high)` to pick from; the default sits below the kernel's ephemeral range (module doc).
 
     Returns:
-        A port number in [10000, 32768), recorded as reserved for the rest of this process.
+        A port number in `port_range`, recorded as reserved for the rest of this process.
     """
-    low, high = PORT_RANGE
+    low, high = port_range
     span = high - low
     start = _port_rng.randrange(span)
     with _reserved_lock:
@@ -92,6 +111,100 @@ def find_free_port(host: str = "127.0.0.1", exclude: set[int] | frozenset[int] =
                 _reserved_ports.add(port)
                 return port
     raise RuntimeError(f"no free port on {host} in [{low}, {high}); too many servers running on this machine?")
+
+
+def find_available_port(base_port: int) -> int:
+    """Upstream's port finder: a port in `[base_port, base_port + 1000)` free on every interface.
+
+    It is `find_free_port` over that range, so it never hands out the same port twice in one process.
+
+    Raises:
+        ValueError: `base_port` is not a port number.
+    """
+    if not 0 < base_port < 65536:
+        raise ValueError(f"base_port {base_port} is not a port number; pass one in [1, 65535]")
+    return find_free_port("0.0.0.0", port_range=(base_port, min(base_port + 1000, 65536)))
+
+
+def get_host_info() -> tuple[str, str]:
+    """Upstream's `(hostname, IP address)` of this machine, the address other nodes reach it at.
+
+    The IP is `$SLIME_HOST_IP` when set (upstream's override for machines with several interfaces), else
+    Ray's address for this node: the running Ray node's, or the interface that routes outward.
+    """
+    import ray.util
+
+    return socket.gethostname(), os.environ.get("SLIME_HOST_IP") or ray.util.get_node_ip_address()
+
+
+def router_launch_args(args: Any) -> Any:
+    """The args `run_router` launches sglang-router with: a copy of `args` whose `host` and `prometheus_host`, where
+    not given, are 127.0.0.1 (sglang-router's own default is every interface; slime's servers bind the loopback
+    unless told otherwise).
+
+    Args:
+        args: sglang-router's `RouterArgs` (its `host` always has a value, so only `prometheus_host` is filled in),
+            or a namespace of its command-line fields (a missing or None field is filled in).
+    """
+    if dataclasses.is_dataclass(args):
+        return dataclasses.replace(args, prometheus_host=args.prometheus_host or LOOPBACK)
+    fields = dict(vars(args))
+    for name in ("host", "prometheus_host"):
+        if fields.get(name) is None:
+            fields[name] = LOOPBACK
+    return argparse.Namespace(**fields)
+
+
+def run_router(args: Any) -> int:
+    """Upstream's router runner: serve sglang-router in this process until it stops.
+
+    It blocks, so upstream runs it as a `multiprocessing.Process` target (stop that with `terminate_process`).
+    It is what `python -m sglang_router.launch_router` runs, the command slime's own router launch uses.
+
+    Args:
+        args: sglang-router's `RouterArgs`, or a namespace of its command-line fields. The router and its metrics
+            bind 127.0.0.1 unless `host` / `prometheus_host` say otherwise (`router_launch_args`).
+
+    Returns:
+        0 when the router stopped, 1 when it failed to start or crashed (the error is logged).
+    """
+    from sglang_router.launch_router import launch_router
+
+    try:
+        launch_router(router_launch_args(args))
+    except Exception:
+        logger.exception("sglang-router failed")
+        return 1
+    return 0
+
+
+def terminate_process(process: multiprocessing.Process, timeout: float = 1.0) -> None:
+    """Stop `process` and every process it started: SIGTERM to all, then SIGKILL to what is left after `timeout` s.
+
+    A process that is not running is left alone. Its descendants are listed before the signals, while they are
+    still its children (once it exits they are re-parented and cannot be told apart).
+    """
+    if not process.is_alive():
+        return
+    try:
+        descendants = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    deadline = time.monotonic() + timeout
+    process.terminate()
+    for descendant in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            descendant.terminate()
+    process.join(timeout)
+    # psutil waits on the descendants only: it must not reap `process`, whose exit status multiprocessing collects.
+    _, survivors = psutil.wait_procs(descendants, timeout=max(0.0, deadline - time.monotonic()))
+    if process.is_alive():
+        process.kill()
+        process.join()
+    for survivor in survivors:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            survivor.kill()
+    psutil.wait_procs(survivors, timeout=timeout)
 
 
 def _can_bind(host: str, port: int) -> bool:
@@ -235,6 +348,8 @@ def get_json(url: str, timeout: float | None = 60.0, max_retries: int = 3, heade
 
 _async_session: aiohttp.ClientSession | None = None
 _async_session_loop: asyncio.AbstractEventLoop | None = None
+# Connections one shared session may hold at once; 0 is no cap. Set by `init_http_client`.
+_connection_limit = 0
 
 
 def _shared_session() -> aiohttp.ClientSession:
@@ -243,12 +358,23 @@ def _shared_session() -> aiohttp.ClientSession:
     global _async_session, _async_session_loop
     loop = asyncio.get_running_loop()
     if _async_session is None or _async_session.closed or _async_session_loop is not loop:
-        # limit=0: the rollout decides concurrency (--sglang-server-concurrency), not the connection pool.
+        # No cap by default: the rollout decides concurrency (--sglang-server-concurrency), not the connection pool.
         _async_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+            connector=aiohttp.TCPConnector(limit=_connection_limit), timeout=aiohttp.ClientTimeout(total=None)
         )
         _async_session_loop = loop
     return _async_session
+
+
+def init_http_client(args: Any) -> None:
+    """Upstream's setup call for `post` and `get`: cap the connections of the shared aiohttp session at what the
+    engines serve at once, `--sglang-server-concurrency` x engines, as upstream's client is capped.
+
+    `post` and `get` work without it (the session is made on first use in each event loop); a session made
+    before the call keeps its cap.
+    """
+    global _connection_limit
+    _connection_limit = args.sglang_server_concurrency * max(1, args.rollout_num_engines)
 
 
 async def close_async_session() -> None:
@@ -327,3 +453,19 @@ async def post(
     return await async_post_json(
         url, payload, timeout=timeout, max_retries=0, retry_failures_for=float(max_retries), headers=headers
     )
+
+
+async def get(url: str) -> Any:
+    """Upstream's async GET helper: GET `url` with the shared aiohttp session, no retries.
+
+    Returns:
+        The parsed JSON body, or the text body if it is not JSON.
+
+    Raises:
+        HTTPRequestError: The server answered with a status >= 400.
+    """
+    async with _shared_session().get(url) as response:
+        body = await response.read()
+        if response.status >= 400:
+            raise HTTPRequestError("GET", url, response.status, body.decode("utf-8", errors="replace"))
+    return _decode_body(body)

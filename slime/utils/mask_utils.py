@@ -18,7 +18,7 @@ wrongly.
 
     generator = MultiTurnLossMaskGenerator(tokenizer)
     token_ids, loss_mask = generator.get_loss_mask(messages)
-    response_length = generator.get_response_lengths([loss_mask])[0]
+    response_length = get_response_lengths([loss_mask])[0]
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ class Segment:
 
     text: str
     trainable: bool
+
+
+def get_response_lengths(loss_masks: list[list[int]]) -> list[int]:
+    """Per mask, the number of tokens from the first masked-in one to the end (0 when none is): the
+    `response_length` of a sample whose response starts at the first assistant token."""
+    return [len(mask) - mask.index(1) if 1 in mask else 0 for mask in loss_masks]
 
 
 def _render(
@@ -204,9 +210,8 @@ class MultiTurnLossMaskGenerator:
         return tokens, mask
 
     def get_response_lengths(self, loss_masks: list[list[int]]) -> list[int]:
-        """Per mask, the number of tokens from the first masked-in one to the end (0 when none is): the
-        `response_length` of a sample whose response starts at the first assistant token."""
-        return [len(mask) - mask.index(1) if 1 in mask else 0 for mask in loss_masks]
+        """The module's `get_response_lengths`, kept as a method for upstream code that calls it on the generator."""
+        return get_response_lengths(loss_masks)
 
     def get_text_from_loss_mask(self, token_ids: list[int], loss_mask: list[int]) -> list[str]:
         """The decoded text of each run of masked-in tokens, in order (one string per assistant turn)."""

@@ -11,9 +11,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+# Upstream slime's plugins are a top-level package; slime's are `slime.plugins`, so a user's own package of
+# upstream's name is never shadowed (see slime/plugins/__init__.py).
+UPSTREAM_PLUGINS, BUNDLED_PLUGINS = "slime_plugins", "slime.plugins"
+
 
 def load_function(path: str) -> Callable[..., Any]:
     """Import `pkg.module.attr` and return the attribute (function or class).
+
+    A path into upstream's `slime_plugins` package loads the user's module of that name when there is one, else
+    slime's own (`slime_plugins.models.glm4` -> `slime.plugins.models.glm4`).
 
     Raises a ValueError that names the path and what went wrong, so a typo in a
     `--*-path` flag is obvious.
@@ -22,13 +29,33 @@ def load_function(path: str) -> Callable[..., Any]:
     if not module_path:
         raise ValueError(f"'{path}' is not a dotted path like 'my_pkg.my_module.my_function'")
     try:
-        module = importlib.import_module(module_path)
+        module = _import_module(module_path)
     except ImportError as e:
         raise ValueError(f"cannot import module '{module_path}' for '{path}': {e}. Is it on PYTHONPATH?") from e
     try:
         return getattr(module, attr)
     except AttributeError as e:
         raise ValueError(f"module '{module_path}' has no attribute '{attr}' (from '{path}')") from e
+
+
+def _import_module(module_path: str) -> Any:
+    try:
+        return importlib.import_module(module_path)
+    except ModuleNotFoundError as missing:
+        if module_path.split(".")[0] != UPSTREAM_PLUGINS or not _is_missing(missing, module_path):
+            raise
+        bundled = BUNDLED_PLUGINS + module_path.removeprefix(UPSTREAM_PLUGINS)
+        try:
+            return importlib.import_module(bundled)
+        except ModuleNotFoundError as error:
+            if _is_missing(error, bundled):
+                raise missing from None  # neither the user's nor slime's: report the path as given
+            raise
+
+
+def _is_missing(error: ModuleNotFoundError, module_path: str) -> bool:
+    """`error` says `module_path` (or a package on its way) does not exist, not that an import inside it failed."""
+    return error.name is not None and (module_path == error.name or module_path.startswith(error.name + "."))
 
 
 class SingletonMeta(type):

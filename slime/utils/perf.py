@@ -76,6 +76,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config) -> ModelShape:
+        config = config.get_text_config()  # a vision-language model's language model (the config itself otherwise)
         hidden = config.hidden_size
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads

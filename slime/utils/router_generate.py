@@ -19,8 +19,37 @@ from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_hea
 from slime.utils.lora import rollout_adapter
 from slime.utils.misc import load_pretrained
 from slime.utils.moe_routing import decode_routed_experts, routing_shape
+from slime.utils.processing_utils import encode_image_for_rollout_engine
 from slime.utils.run_context import RunContext, engine_urls, router_url
 from slime.utils.types import Sample, Status
+
+
+def generate_payload(args: argparse.Namespace, sample: Sample, sampling_params: dict[str, Any]) -> dict[str, Any]:
+    """The body of a token-in/token-out `/generate` request for `sample`, as every slime generate path sends it.
+
+    `sample.tokens` go as `input_ids`, with log-probs asked for; a sample with images
+    (`multimodal_inputs["images"]`) sends them as `image_data`, and under `--lora-rank` the request names the
+    adapter being trained (`lora_path`, the sample's own with several adapters).
+
+    Raises:
+        ValueError: several adapters train and the sample names none (`rollout_adapter`).
+    """
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
+    images = (sample.multimodal_inputs or {}).get("images")
+    if images:  # SGLang's image_data: one base64 PNG per image; the prompt's placeholders may be expanded already
+        payload["image_data"] = [encode_image_for_rollout_engine(image) for image in images]
+    adapter = rollout_adapter(args, sample)
+    if adapter is not None:  # --lora-rank: the policy is the engines' base plus the (sample's) adapter being trained
+        payload["lora_path"] = adapter
+    return payload
+
+
+def generate_headers(args: argparse.Namespace) -> dict[str, str]:
+    """The headers of a `/generate` request: the engines' key (`--sglang-api-key`) as a bearer token, if any.
+
+    The router adds the key itself on what it forwards; the header lets the same request go to an engine directly.
+    """
+    return bearer_headers(engine_api_key(args))
 
 
 async def generate_into_sample(
@@ -37,16 +66,16 @@ async def generate_into_sample(
     prompt's group, as the router's cache-aware policy would pick. The routing of the whole sequence replaces
     `sample.rollout_routed_experts`.
 
+    A sample with images (`multimodal_inputs["images"]`) sends them as `image_data`, its `tokens` holding each
+    image's placeholder (once, or expanded to its visual tokens).
+
     `context` is the run's (the router, the engines as fault tolerance replaces them); without one they are read
     from `args` (`sglang_router_ip`, `sglang_router_port`, `rollout_engine_urls`).
 
     Returns:
         The text the engine generated.
     """
-    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
-    adapter = rollout_adapter(args)
-    if adapter is not None:  # --lora-rank: the policy is the engines' base plus the adapter being trained
-        payload["lora_path"] = adapter
+    payload = generate_payload(args, sample, sampling_params)
     replay = getattr(args, "use_rollout_routing_replay", False)
     if replay:
         payload["return_routed_experts"] = True
@@ -57,6 +86,7 @@ async def generate_into_sample(
             payload,
             timeout=getattr(args, "sglang_router_request_timeout_secs", None),
             retry_failures_for=engine_failover_window(args),
+            headers=generate_headers(args),
         )
     meta = output["meta_info"]
     token_logprobs = meta.get("output_token_logprobs") or []
@@ -86,7 +116,7 @@ async def _post_to_an_engine(
                 f"{url.rstrip('/')}/generate",
                 payload,
                 timeout=getattr(args, "sglang_router_request_timeout_secs", None),
-                headers=bearer_headers(engine_api_key(args)),
+                headers=generate_headers(args),
             )
         except (ConnectionError, HTTPRequestError) as error:
             if isinstance(error, HTTPRequestError) and error.status < 500 or time.monotonic() >= give_up_at:

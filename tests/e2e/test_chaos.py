@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from slime.utils.arguments import parse_args
 
 TRIALS = 12
 SEED = int(os.environ.get("SLIME_CHAOS_SEED", "20261202"))
+# Five clean-clone runs took 153-208 s; a run past this is hung (its stacks are printed), not slow.
+TIMEOUT_S = 480
 
 # What a process of the job is, from its command line.
 KINDS = {
@@ -122,6 +125,26 @@ class Chaos(threading.Thread):
                 time.sleep(0.2)
 
 
+def stacks(driver: psutil.Process) -> str:
+    """The Python stacks of the driver and its job's processes (py-spy, when installed): what a hung run waits on."""
+    if shutil.which("py-spy") is None:
+        return "(py-spy is not installed)"
+    dumps = []
+    for process in [driver, *(p for group in job_processes(driver).values() for p in group)]:
+        try:
+            name = " ".join(process.cmdline())[:80]
+            dump = subprocess.run(
+                ["py-spy", "dump", "--nonblocking", "--pid", str(process.pid)],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+        except (psutil.Error, subprocess.TimeoutExpired):
+            continue
+        dumps.append(f"--- {process.pid} {name}\n{dump.stdout[-3000:]}{dump.stderr[-300:]}")
+    return "\n".join(dumps)
+
+
 def still_running(seen: set[tuple[int, float]]) -> list[str]:
     left = []
     for pid, created in seen:
@@ -162,14 +185,16 @@ def test_random_kills_leave_the_trained_prompts_of_an_uninterrupted_run(tiny_mod
         chaos = Chaos(psutil.Process(driver.pid), save_dir, rng)
         chaos.start()
         try:
-            status = driver.wait(timeout=800)
+            status = driver.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            status = f"no exit in {TIMEOUT_S} s; where its processes were:\n{stacks(psutil.Process(driver.pid))}"
         finally:
             if driver.poll() is None:
                 driver.kill()
         chaos.join(timeout=10)
     context = f"seed {SEED} (SLIME_CHAOS_SEED), kills (rows logged, kind, delay s): {chaos.kills}{chaos.error}"
     print(context)
-    assert status == 0, f"{context}\n{(tmp_path / 'driver.err').read_text()[-6000:]}"
+    assert status == 0, f"{context}\n{status}\n{(tmp_path / 'driver.err').read_text()[-6000:]}"
     assert len(chaos.kills) == TRIALS, context
     assert len({kind for _, kind, _ in chaos.kills}) >= 5, context
 

@@ -6,7 +6,7 @@ import json
 import textwrap
 
 import torch
-from support.runs import rollout_rows, run_driver_script
+from support.runs import rollout_rows, run_driver_script, saved_samples
 from transformers import AutoTokenizer
 
 from slime.utils.types import Sample, Status
@@ -164,3 +164,70 @@ def test_train_py_runs_upstream_shaped_plugins(tiny_model_dir, tmp_path, monkeyp
             assert tokenizer.decode(masked_out) == between_turns, tokenizer.decode(response)
             prompt = tokenizer.apply_chat_template(s.prompt, tokenize=False, add_generation_prompt=True)
             assert tokenizer.decode(s.tokens[: -s.response_length]) == prompt
+
+
+def test_train_py_runs_current_upstream_examples_routed_per_sample(tiny_model_dir, tmp_path):
+    """search-r1, multi_agent and retool as upstream writes them today, one run, each prompt routed to its own
+    generate and reward by a data source (per-sample `generate_function_path` / `custom_rm_path`)."""
+    domains = ["search_r1", "multi_agent", "retool"]
+    rows = [
+        {
+            "messages": [{"role": "user", "content": f"What is {i} + 2?"}],
+            "label": str(i + 2),
+            # The first multi_agent prompt is one no agent solves: its generate returns no samples.
+            "metadata": {"domain": domains[i % 3], "unsolvable": i == 1},
+        }
+        for i in range(9)
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save = tmp_path / "run"
+    result = run_driver_script(
+        "train.py", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--input-key", "messages",
+        "--label-key", "label", "--rollout-batch-size", "3", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "8", "--num-rollout", "2", "--lr", "1e-3", "--save", str(save),
+        "--save-debug-rollout-data", str(save / "rollouts" / "rollout_{rollout_id}.pt"),
+        "--data-source-path", "support.upstream_examples.routed_data_source.RoutedDataSource",
+        "--reward-key", "score", "--use-dynamic-global-batch-size",
+        timeout=420,
+    )  # fmt: skip
+    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    history = rollout_rows(save)
+    assert [h["rollout_id"] for h in history] == [0, 1] and all("train/loss" in h for h in history)
+    assert [h["rollout/dropped_samples"] for h in history] == [0, 0]  # one trainer rank: nothing to round off
+    assert all(h["search_r1/last_searches"] == 1 for h in history)  # slime.observability's log reached the row
+    assert history[0]["rollout/empty_groups"] == 1  # the unsolvable prompt's group was dropped, not an IndexError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    context = {
+        "search_r1": "\n<information>Doc 1: two plus two is four.</information>\n",
+        "retool": "\n<interpreter>4</interpreter>\n",
+    }
+    seen = []
+    for rollout_id in (0, 1):
+        samples = saved_samples(save, rollout_id)
+        for s in samples:
+            domain = s.metadata["domain"]
+            seen.append(domain)
+            assert s.generate_function_path.startswith(f"support.upstream_examples.{domain}.")
+            assert not s.metadata["unsolvable"]
+            response = s.tokens[-s.response_length :]
+            assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
+            masked = [t for t, keep in zip(response, s.loss_mask, strict=True) if not keep]
+            # Only the tool's output is masked out, and its log-prob entries are 0.
+            assert tokenizer.decode(masked) == context.get(domain, ""), (domain, tokenizer.decode(response))
+            assert all(lp == 0.0 for lp, keep in zip(s.rollout_log_probs, s.loss_mask, strict=True) if not keep)
+            if domain == "search_r1":
+                assert s.reward == float(str(s.label) in s.response) + s.index % 2
+            elif domain == "retool":
+                assert set(s.reward) == {"score", "acc", "pred"} and s.metadata["tool_call_count"] == 1
+            else:
+                assert s.metadata["role"] in ("solver", "rewriter")
+                assert s.reward == (1.2 if s.metadata["role"] == "solver" else 0.0)
+    # Rollout 0 took prompts 0, 2 and (in place of the dropped 1) 3; rollout 1 took 4, 5 and 6. Each prompt gives
+    # 2 samples, and a multi_agent sample fans out into 2 agents' samples.
+    assert {domain: seen.count(domain) for domain in domains} == {
+        "search_r1": 3 * 2,
+        "multi_agent": 2 * 2,
+        "retool": 2 * 2,
+    }

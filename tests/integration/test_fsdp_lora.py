@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
 from support.engines import cpu_engine_process, engine_prompt_log_probs
 from support.fsdp import CAPTURE_HOOK, CAPTURED, make_args, make_rollout, new_actor, plain_response_log_probs
 from support.ranks import spawn_ranks
@@ -313,7 +314,10 @@ def test_pushes_send_only_the_adapter_which_the_engine_serves(tiny_model_dir, co
         (["--lora-rank", "4", "--use-kl-loss", "--ref-load", "/x"], "the reference model is the base model"),
         (["--lora-train-only"], "add --lora-rank"),
         (["--lora-rank", "4", "--lora-train-only", "--check-lora-weight-equal"], "has nothing to check"),
-        (["--lora-rank", "4", "--multi-lora-n-adapters", "2"], "not implemented yet"),
+        (
+            ["--lora-rank", "4", "--multi-lora-n-adapters", "2"],
+            "--multi-lora-n-adapters 2 needs each adapter's prompts",
+        ),
         (["--lora-rank", "4", "--freeze-params-name-list", "embed"], "drop --freeze-params-name-list"),
         (["--lora-rank", "4", "--debug-rollout-only"], "no trainer to load the adapter"),
     ],
@@ -362,3 +366,99 @@ def test_sglang_gets_the_adapter_in_torchs_own_pickle_and_the_cpu_engine_in_slim
     cpu = LoraAdapterTransport({}, "cpu")._payload(tensors)
     assert [n for n, _ in deserialize_named_tensors(cpu)] == [n for n, _ in tensors]
     assert b"_tensor_from_bytes" in base64.b64decode(cpu)
+
+
+MULTI = [*LORA, *SFT, "--multi-lora-n-adapters", "2", "--multi-lora-prompt-data", "unused.jsonl", "other.jsonl"]
+
+
+def adapter_rollout(adapters: list[int], seed: int) -> dict:
+    """One global batch of 8 samples per entry of `adapters`, each batch that adapter's."""
+    parts = [make_rollout(8, seed=seed + k) for k in range(len(adapters))]
+    data = {key: [v for part in parts for v in part[key]] for key, value in parts[0].items() if isinstance(value, list)}
+    return data | {"num_steps": len(adapters), "lora_adapters": [a for a in adapters for _ in range(8)]}
+
+
+def one_adapter(data: dict, adapter: int) -> dict:
+    keep = [i for i, a in enumerate(data["lora_adapters"]) if a == adapter]
+    return {key: [data[key][i] for i in keep] for key in ("tokens", "response_lengths")}
+
+
+def test_multi_lora_trains_each_adapter_on_its_own_samples_as_peft_would(tiny_model_dir, tmp_path):
+    """--multi-lora-n-adapters 2: an adapter's step equals a one-adapter peft model's torch AdamW step on its samples,
+    and leaves the other adapter's parameters and optimizer state as they were; checkpoints hold both."""
+    args = make_args(tiny_model_dir, *MULTI, "--save", str(tmp_path / "save"))
+    actor = new_actor(args)
+    names = ["slime-policy-0", "slime-policy-1"]
+    assert list(actor.model.peft_config) == names
+    for (optimizer, _), name in zip(actor.adapter_optimizers, names):
+        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        assert optimized == {id(p) for p in lora.adapter_parameters(actor.model, name)}
+
+    def adapter_values(name: str) -> dict[str, torch.Tensor]:
+        prefix = f"{name}/"
+        return {n[len(prefix) :]: t.clone() for n, t in lora.adapter_tensors(actor.model) if n.startswith(prefix)}
+
+    def optimizer_state(k: int) -> list[torch.Tensor]:
+        state = actor.adapter_optimizers[k][0].state
+        return [v.clone() for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+    references = []
+    for name in names:
+        reference = peft_reference(tiny_model_dir, adapter_values(name))
+        params = [p for p in reference.parameters() if p.requires_grad]
+        references.append((reference, torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay)))  # fmt: skip
+
+    # Adapter 1 alone, then adapter 0 alone: the other one's values and optimizer state stay as they were.
+    for rollout_id, (trained, idle) in enumerate(((1, 0), (0, 1))):
+        before, state_before = adapter_values(names[idle]), optimizer_state(idle)
+        data = adapter_rollout([trained], seed=10 * rollout_id)
+        metrics = actor.train(rollout_id, data)
+        expected = sft_step(*references[trained], one_adapter(data, trained), args.clip_grad)
+        assert metrics[f"train/adapter_{trained}/loss"] == pytest.approx(expected, abs=1e-5)
+        assert (
+            f"train/adapter_{idle}/loss" not in metrics
+            and metrics["train/loss"] == metrics[f"train/adapter_{trained}/loss"]
+        )
+        after = adapter_values(names[idle])
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        assert len(optimizer_state(idle)) == len(state_before)
+        assert all(torch.equal(a, b) for a, b in zip(optimizer_state(idle), state_before))
+    # Both in one rollout: each adapter's step is its own peft model's.
+    data = adapter_rollout([0, 1], seed=50)
+    metrics = actor.train(2, data)
+    for k, name in enumerate(names):
+        expected = sft_step(*references[k], one_adapter(data, k), args.clip_grad)
+        assert metrics[f"train/adapter_{k}/loss"] == pytest.approx(expected, abs=1e-5)
+        ours = adapter_values(name)
+        theirs = {
+            lora.saved_adapter_name(n): p.detach() for n, p in references[k][0].named_parameters() if p.requires_grad
+        }
+        assert ours.keys() == theirs.keys()
+        assert max((ours[n] - theirs[n]).abs().max().item() for n in ours) < 1e-5
+    assert not torch.equal(*(next(iter(adapter_values(name).values())) for name in names))  # A starts random in each
+
+    # The checkpoint holds a PEFT folder per adapter; --load resumes both adapters and both optimizers exactly.
+    actor.save_model(2)
+    folder = tmp_path / "save" / "iter_0000002" / "adapter"
+    tokens = torch.tensor([make_rollout(1, seed=9)["tokens"][0]])
+    for name in names:
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), str(folder / name)
+        )
+        lora.activate_adapter(actor.model, name)
+        with torch.no_grad():
+            gap = (actor.model(input_ids=tokens).logits - peft_model.eval()(input_ids=tokens).logits).abs().max()
+        assert gap.item() < 1e-5
+    resumed = new_actor(make_args(tiny_model_dir, *MULTI, "--load", str(tmp_path / "save")))
+    data = adapter_rollout([0, 1], seed=70)
+    theirs, ours = actor.train(3, data), resumed.train(3, data)
+    assert all(ours[f"train/adapter_{k}/loss"] == theirs[f"train/adapter_{k}/loss"] for k in (0, 1))
+    with pytest.raises(ValueError, match="holds 2 LoRA adapter"):
+        new_actor(make_args(tiny_model_dir, *LORA, *SFT, "--load", str(tmp_path / "save")))
+    # --finetune loads the adapters without their optimizers: the adapter count comes from the model.
+    finetuned = new_actor(make_args(tiny_model_dir, *MULTI, "--load", str(tmp_path / "save"), "--finetune"))
+    saved = load_file(str(folder / names[1] / "adapter_model.safetensors"))
+    loaded = {
+        n.removeprefix(f"{names[1]}/"): t for n, t in lora.adapter_tensors(finetuned.model) if n.startswith(names[1])
+    }
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[n], saved[n]) for n in saved)

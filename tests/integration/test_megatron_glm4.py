@@ -1,4 +1,4 @@
-"""GLM-4 on megatron-core (slime_plugins/models/glm4.py): HF logits at TP=1/2 and bit-exact weight round trips.
+"""GLM-4 on megatron-core (slime/plugins/models/glm4.py): HF logits at TP=1/2 and bit-exact weight round trips.
 
 GLM-4 differs from Llama in ways a wrong spec or converter would hide in a trivial model, so the tiny
 model here has random norm weights (the two post norms must not be swapped or skipped), random QKV
@@ -50,8 +50,8 @@ def _worker(rank: int, world_size: int, path: str, input_ids: torch.Tensor, scri
     from slime.backends.megatron_utils.hf_to_megatron import load_hf_weights, unused_hf_weights
     from slime.backends.megatron_utils.megatron_to_hf import megatron_state_to_hf
     from slime.backends.megatron_utils.model import build_model, gpt_layer_spec, initialize_model_parallel, unwrap_model
+    from slime.plugins.models.glm4 import Glm4TransformerLayer
     from slime.utils.arguments import parse_args
-    from slime_plugins.models.glm4 import Glm4TransformerLayer
 
     def build(tp: int, **overrides):
         initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -149,7 +149,7 @@ def test_glm4_script_without_spec_is_refused():
     # Without --spec, megatron-core's own layers would silently drop the post norms: refused instead.
     flags = model_args_of(GLM4_SCRIPT)
     at = flags.index("--spec")
-    assert flags[at + 1 : at + 3] == ["slime_plugins.models.glm4", "get_glm4_spec"]
+    assert flags[at + 1 : at + 3] == ["slime.plugins.models.glm4", "get_glm_spec"]
     args = parse_args(flags[:at] + flags[at + 3 :] + MINIMAL_SLIME_FLAGS)
     with pytest.raises(ValueError, match="--spec MODULE FUNCTION"):
         gpt_layer_spec(args, transformer_config_from_args(args))

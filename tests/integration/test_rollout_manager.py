@@ -5,6 +5,7 @@ import os
 import signal
 import time
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import ray
@@ -128,23 +129,32 @@ def test_eval_config_gives_each_dataset_its_own_settings(manager, data_files, tm
     config.write_text(
         f"eval:\n  datasets:\n"
         f"    - {{name: one, path: {held_out}, n_samples_per_eval_prompt: 1, max_response_len: 2}}\n"
-        f"    - {{name: three, path: {held_out}, n_samples_per_eval_prompt: 3, metadata_overrides: {{tag: x}}}}\n"
+        f"    - {{name: three, path: {held_out}, n_samples_per_eval_prompt: 3, metadata_overrides: {{tag: x}},\n"
+        f"       custom_rm_path: support.rewards.alternating_reward}}\n"
     )
 
+    tests_dir = str(Path(__file__).resolve().parents[1])
+
     def run_eval(self):
+        import sys
+
+        sys.path.insert(0, tests_dir)  # the set's reward is the tests' support.rewards, as a user's PYTHONPATH has it
         self.args.eval_config = str(config)
         try:
             output = self.eval_fn(self.args, 0, self.data_source, evaluation=True)
             return {
-                name: [(s.response_length, s.metadata.get("tag")) for s in r["samples"]]
+                name: [(s.response_length, s.metadata.get("tag"), s.index, s.reward) for s in r["samples"]]
                 for name, r in output.data.items()
             }
         finally:
             self.args.eval_config = None
 
     samples = ray.get(manager.__ray_call__.remote(run_eval))
-    assert len(samples["one"]) == 3 and all(length <= 2 and tag is None for length, tag in samples["one"])
-    assert len(samples["three"]) == 9 and all(tag == "x" for _, tag in samples["three"])
+    assert len(samples["one"]) == 3 and all(length <= 2 and tag is None for length, tag, _, _ in samples["one"])
+    assert len(samples["three"]) == 9 and all(tag == "x" for _, tag, _, _ in samples["three"])
+    # The set's own custom_rm_path scored it; the other set kept the run's reward (labels "0": no sum here is 0).
+    assert all(reward == float(index % 2) for _, _, index, reward in samples["three"])
+    assert all(reward == 0.0 for _, _, _, reward in samples["one"])
 
 
 def test_saved_rollout_can_be_read_back(manager, tmp_path):

@@ -70,7 +70,6 @@ def engine_rollout(model_dir: str, dtype: torch.dtype) -> dict:
         ],
         "sample_indices": list(range(n)),
         "num_steps": 1,
-        "total_response_tokens": sum(lengths),
     }
 
 

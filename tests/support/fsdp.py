@@ -70,7 +70,6 @@ def make_rollout(
         "loss_masks": loss_masks,
         "sample_indices": list(range(num_samples)),
         "num_steps": num_steps,
-        "total_response_tokens": sum(response_lengths),
     }
 
 

@@ -29,7 +29,6 @@ def make_rollout(num_samples: int = 8, seed: int = 0) -> dict:
         "loss_masks": [[1] * r for r in response_lengths],
         "sample_indices": list(range(num_samples)),
         "num_steps": 1,
-        "total_response_tokens": sum(response_lengths),
     }
 
 

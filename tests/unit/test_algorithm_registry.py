@@ -80,7 +80,6 @@ def test_user_estimator_and_policy_loss_train_one_step(tiny_model_dir):
     data = {
         "tokens": tokens, "response_lengths": lengths, "rewards": rewards, "raw_reward": list(rewards),
         "truncated": [0] * 6, "loss_masks": masks, "sample_indices": list(range(6)), "num_steps": 1,
-        "total_response_tokens": sum(lengths),
     }  # fmt: skip
 
     actor = FSDPTrainRayActor(1, 0, None, None)

@@ -27,6 +27,20 @@ def test_train_async_refuses_colocate():
         driver("train_async.py").train(parse_args([*BASE, "--colocate"]))
 
 
+def test_train_async_refuses_several_adapters():
+    flags = [
+        "--lora-rank",
+        "4",
+        "--multi-lora-n-adapters",
+        "2",
+        "--multi-lora-prompt-data",
+        "/data/a.jsonl",
+        "/data/b.jsonl",
+    ]
+    with pytest.raises(SystemExit, match=r"several adapters \(--multi-lora-n-adapters 2\): use train.py"):
+        driver("train_async.py").train(parse_args([*BASE[:2], *BASE[4:], *flags]))
+
+
 def test_train_async_refuses_debug_rollout_only():
     with pytest.raises(SystemExit, match="use train.py --debug-rollout-only"):
         driver("train_async.py").train(parse_args([*BASE, "--debug-rollout-only"]))

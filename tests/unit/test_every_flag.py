@@ -37,8 +37,8 @@ BASE = [
 
 
 def source_text() -> str:
-    """The code that may read a flag: slime/, slime_plugins/, tools/, train*.py, without the parser itself."""
-    files = [f for root in ("slime", "slime_plugins", "tools") for f in (REPO / root).rglob("*.py")]
+    """The code that may read a flag: slime/ (slime/plugins/ too), tools/, train*.py, without the parser itself."""
+    files = [f for root in ("slime", "tools") for f in (REPO / root).rglob("*.py")]
     files += sorted(REPO.glob("train*.py"))
     return "\n".join(f.read_text() for f in files if not f.is_relative_to(PARSER))
 

@@ -21,6 +21,7 @@ def make_args(**overrides):
         global_batch_size=4,
         balance_data=False,
         keep_old_actor=False,
+        use_dynamic_global_batch_size=False,
     )
     return Namespace(**{**defaults, **overrides})
 
@@ -84,6 +85,20 @@ def test_split_rejects_indivisible_batches():
         split_train_data_by_dp(make_args(global_batch_size=4), data, dp_size=2)
 
 
+def test_dynamic_global_batch_size_trains_what_the_rollout_returned_in_one_step():
+    # 7 samples (a generate function fanned out) over 2 ranks: one step of 6, the last sample dropped.
+    data = {"tokens": [[i] for i in range(7)], "response_lengths": [1] * 7}
+    shards = split_train_data_by_dp(make_args(use_dynamic_global_batch_size=True), data, dp_size=2)
+    assert [shard["tokens"] for shard in shards] == [[[0], [2], [4]], [[1], [3], [5]]]
+    assert [shard["num_steps"] for shard in shards] == [1, 1]
+    with pytest.raises(ValueError, match="needs --use-dynamic-global-batch-size"):
+        split_train_data_by_dp(make_args(), data, dp_size=2)
+    with pytest.raises(ValueError, match="1 samples for 2 ranks"):
+        split_train_data_by_dp(
+            make_args(use_dynamic_global_batch_size=True), {"tokens": [[0]], "response_lengths": [1]}, 2
+        )
+
+
 def test_balanced_partitions_equal_counts_and_close_sums():
     lengths = [100, 1, 1, 1, 90, 2, 3, 4]
     parts = balanced_partitions(lengths, 2)
@@ -121,3 +136,15 @@ def test_unscored_finished_sample_is_an_error():
     samples = make_samples([1.0, None])
     with pytest.raises(ValueError, match=r"sample 1 \(completed\) has no reward.*--custom-rm-path"):
         samples_to_train_data(make_args(global_batch_size=2), samples)
+
+
+@pytest.mark.parametrize("flags", [["--global-batch-size", "2"], ["--num-steps-per-rollout", "2"]])
+def test_dynamic_global_batch_size_refuses_a_fixed_batch_or_several_steps(flags):
+    from slime.utils.arguments import ArgumentValidationError, parse_args
+
+    base = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "1"]
+    base += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
+    args = parse_args([*base, "--use-dynamic-global-batch-size"])
+    assert (args.global_batch_size, args.num_steps_per_rollout) == (4, 1)  # one step: LR schedule and step count
+    with pytest.raises(ArgumentValidationError, match="trains each rollout in one step of its own size"):
+        parse_args([*base, "--use-dynamic-global-batch-size", *flags])

@@ -1,4 +1,5 @@
-"""CPU inference engine: a HuggingFace causal LM behind SGLang's native HTTP API.
+"""CPU inference engine: a HuggingFace causal LM (or a Qwen-VL vision-language model, see vision.py) behind
+SGLang's native HTTP API.
 
 Run it with `python -m slime.backends.cpu_engine --model-path DIR --port N`, or in-process with
 `launch_server(ServerArgs(...))`. Trainers push weights the way they push them to SGLang, with

@@ -5,6 +5,10 @@ its own position counter, so a row's RoPE positions never include padding, and a
 mask hides the padded cache columns. New sequences join a running batch by prefilling them
 on their own and concatenating the two caches along the batch axis after left-padding the
 shorter one (continuous batching); finished rows are dropped with `batch_select_indices`.
+
+Vision-language rows carry their images (`GenerationRequest.vision`): their pixels go into the prefill forward and
+their 3-D M-RoPE positions replace the plain counter there; after the prompt, every axis advances by one per token
+from the row's `next_position`, so decode needs nothing special.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from transformers import DynamicCache
 
 from slime.backends.cpu_engine.lora import LoraStore
 from slime.backends.cpu_engine.protocol import GenerationRequest
+from slime.backends.cpu_engine.vision import VisionInputs
 from slime.utils.moe_routing import HFRouters
 
 # Dropping all-padding cache columns costs a copy; only do it once this many pile up.
@@ -88,22 +93,28 @@ def prefill(
         (batch, logits): `batch.last_tokens` is still unset (zeros) until the caller samples from
         `logits`, the (rows, vocab) next-token logits of every prompt.
     """
-    distinct: dict[tuple[str | None, tuple[int, ...]], int] = {}
-    source_rows = torch.tensor(
-        [distinct.setdefault((r.lora_path, tuple(r.input_ids)), len(distinct)) for r in requests]
-    )
-    ids, mask = left_pad([list(prompt) for _, prompt in distinct], pad_id)
+    distinct: dict[tuple[str | None, tuple[int, ...], bytes | None], int] = {}
+    firsts: list[GenerationRequest] = []  # the request behind each distinct row
+    rows = []
+    for r in requests:
+        key = (r.lora_path, tuple(r.input_ids), r.vision.key if r.vision is not None else None)
+        if key not in distinct:
+            distinct[key] = len(distinct)
+            firsts.append(r)
+        rows.append(distinct[key])
+    source_rows = torch.tensor(rows)
+    ids, mask = left_pad([list(r.input_ids) for r in firsts], pad_id)
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+    images = _image_inputs(firsts, positions)
     cache = DynamicCache(config=model.config)
     # The model fills `cache` in place.
-    with _adapters(lora, [name for name, _ in distinct]):
+    with _adapters(lora, [r.lora_path for r in firsts]):
         out = model(
             input_ids=ids,
             attention_mask=mask,
-            position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
-            **{_cache_argument(type(model)): cache},
+            **{"position_ids": positions, **images, _cache_argument(type(model)): cache},
         )
     logits = out.logits[:, -1, :]
     if routers is not None and any(r.return_routed_experts for r in requests):
@@ -119,10 +130,35 @@ def prefill(
         requests=list(requests),
         cache=cache,
         attention_mask=mask,
-        next_positions=mask.sum(dim=-1),
+        next_positions=torch.tensor([_next_position(r) for r in requests]),
         last_tokens=torch.zeros(len(requests), dtype=torch.long),
     )
     return batch, logits
+
+
+def _next_position(request: GenerationRequest) -> int:
+    return request.vision.next_position if request.vision is not None else len(request.input_ids)
+
+
+def _image_inputs(requests: list[GenerationRequest], positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The image keyword arguments of a left-padded prefill of `requests` ({} when none has images).
+
+    `positions` (rows, columns) becomes (3, rows, columns): text rows repeat their counter on the three M-RoPE
+    axes, image rows take their own positions; pixels are concatenated in row order, as the model scatters image
+    features into the placeholders of the flattened batch.
+    """
+    with_images: list[VisionInputs] = [r.vision for r in requests if r.vision is not None]
+    if not with_images:
+        return {}
+    positions = positions.unsqueeze(0).repeat(3, 1, 1)
+    for row, request in enumerate(requests):
+        if request.vision is not None:
+            positions[:, row, positions.shape[-1] - len(request.input_ids) :] = request.vision.position_ids
+    return {
+        "position_ids": positions,
+        "pixel_values": torch.cat([v.pixel_values for v in with_images]),
+        "image_grid_thw": torch.cat([v.image_grid_thw for v in with_images]),
+    }
 
 
 @torch.no_grad()
@@ -159,14 +195,22 @@ def prompt_log_probs(
     temperature: float,
     lora: LoraStore | None = None,
     adapter: str | None = None,
+    vision: VisionInputs | None = None,
 ) -> list[float | None]:
     """Log-probs of prompt tokens given their prefix, for positions >= `start` (None elsewhere and at 0).
 
     Run on its own (batch of one) so the full (length, vocab) logits of only one prompt are alive. `adapter`
-    names the LoRA adapter of `lora` to apply (None: the base model).
+    names the LoRA adapter of `lora` to apply (None: the base model); `vision` holds the prompt's images.
     """
+    images = {}
+    if vision is not None:
+        images = {
+            "position_ids": vision.position_ids.unsqueeze(1),
+            "pixel_values": vision.pixel_values,
+            "image_grid_thw": vision.image_grid_thw,
+        }
     with _adapters(lora, [adapter]):
-        logits = model(input_ids=torch.tensor([input_ids]), use_cache=False).logits[0, :-1].float()
+        logits = model(input_ids=torch.tensor([input_ids]), use_cache=False, **images).logits[0, :-1].float()
     scale = temperature if temperature > 0 else 1.0
     log_probs = (logits / scale).log_softmax(dim=-1)
     picked = log_probs.gather(-1, torch.tensor(input_ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()

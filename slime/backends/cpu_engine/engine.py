@@ -35,6 +35,7 @@ from slime.backends.cpu_engine import weights
 from slime.backends.cpu_engine.lora import LoraAdapter, LoraStore
 from slime.backends.cpu_engine.protocol import GenerationRequest, RequestError
 from slime.backends.cpu_engine.sampling import sample_next_tokens
+from slime.backends.cpu_engine.vision import Vision, is_vision_language, load_vision
 from slime.utils.moe_routing import HFRouters, routing_shape
 from slime.utils.weight_transport import MappedSegments
 
@@ -117,15 +118,20 @@ class CpuEngine:
         torch.manual_seed(random_seed)
         self.model, self.tokenizer = weights.load_model(self.model_path, dtype, tokenizer_path, trust_remote_code)
         config = self.model.config
+        # Vision-language models: requests may carry images (`image_data`); None for text-only ones.
+        self.vision: Vision | None = (
+            load_vision(self.model, self.model_path, trust_remote_code) if is_vision_language(config) else None
+        )
+        text_config = config.get_text_config()
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
-        self.context_length = context_length or getattr(config, "max_position_embeddings", None) or 4096
+        self.context_length = context_length or getattr(text_config, "max_position_embeddings", None) or 4096
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self.pad_token_id = next(
             t for t in (self.tokenizer.pad_token_id, *sorted(self.eos_token_ids), 0) if t is not None
         )
         self.weight_version = "default"
         # MoE models: the routers' choices, for requests with return_routed_experts
-        self.routers = HFRouters(self.model, config.num_hidden_layers) if routing_shape(config) else None
+        self.routers = HFRouters(self.model, text_config.num_hidden_layers) if routing_shape(config) else None
         self.lora = (
             LoraStore(self.model, max_lora_rank, lora_target_modules, max_loras_per_batch, max_loaded_loras)
             if enable_lora
@@ -515,6 +521,7 @@ class CpuEngine:
                     request.params.temperature,
                     self.lora,
                     request.lora_path,
+                    request.vision,
                 )
         generating = []
         for request in requests:

@@ -6,6 +6,9 @@ so validation, context-length checks and stop handling are the native ones. SGLa
 which sglang-router forwards, are honoured as SGLang's OpenAI server does. Tool calls in the
 Hermes / Qwen `<tool_call>` format become `tool_calls` (see `slime.utils.tool_calls`). A LoRA adapter
 is chosen with SGLang's extra field `lora_path` or a `model` of the form `<base>:<adapter name>`.
+On a vision-language model, chat content may hold `image_url` parts (a `data:` URL or bare base64; web URLs and
+file paths are refused, so no client can make the engine read a file on its host): each becomes an `{"type": "image"}` part for the chat template, which writes the
+model's image placeholder, and the images go to the engine as /generate's `image_data`.
 
 `stream: true` answers server-sent events token by token, fed from the engine's decode loop through
 a `TokenWatch`: a choice's text goes out as soon as it can no longer change (an incomplete UTF-8
@@ -42,6 +45,7 @@ from slime.backends.cpu_engine.protocol import (
 )
 from slime.utils import openai_protocol as oai
 from slime.utils.openai_protocol import OpenAIError
+from slime.utils.processing_utils import load_image
 from slime.utils.tool_calls import TOOL_CALL_START
 
 logger = logging.getLogger(__name__)
@@ -131,11 +135,12 @@ def _build_requests(
     seed: int | None,
     logprobs: bool,
     adapters: list[str | None],
+    images: list[Any] | None = None,
 ) -> list[GenerationRequest]:
     """n requests per prompt, through the native parser; choice i of a seeded request uses `seed + i`.
 
     Without `max_tokens` a choice may run to the end of the context, as OpenAI's default. `adapters` holds
-    each prompt's LoRA adapter (see `_adapters`).
+    each prompt's LoRA adapter (see `_adapters`); `images` the images of a single prompt (chat).
     """
     base = uuid.uuid4().hex
     sampling = [
@@ -155,7 +160,11 @@ def _build_requests(
         "rid": [f"{base}-{k}" for k in range(len(prompts) * n)],
         "lora_path": [adapter for adapter in adapters for _ in range(n)],
     }
-    requests, _ = parse_generate_request(native, engine.tokenizer, engine.vocab_size, engine.context_length)
+    if images:
+        native["image_data"] = [images] * (len(prompts) * n)
+    requests, _ = parse_generate_request(
+        native, engine.tokenizer, engine.vocab_size, engine.context_length, engine.vision
+    )
     return requests
 
 
@@ -355,18 +364,50 @@ async def _send_events(request: web.Request, chunks: AsyncIterator[dict]) -> web
 # ----- chat ----------------------------------------------------------------------------------
 
 
-def _messages(body: dict) -> list[dict[str, Any]]:
-    """`messages` as the chat template takes them: content as text, tool-call arguments as mappings."""
-    out = []
+# (where, reference) of each image of a chat, in order: `messages[0].content[1]`, its data URL or base64.
+ImageRefs = list[tuple[str, str]]
+
+
+def _image_url(part: dict, where: str) -> str:
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise OpenAIError(f"{where}.image_url must be {{'url': 'data:image/png;base64,...'}}", where)
+    return url
+
+
+def _content(content: list, where: str, takes_images: bool, refs: ImageRefs) -> str | list[dict[str, str]]:
+    """Content parts as the chat template takes them: joined text, or (with images) text and image parts in order,
+    each image's reference appended to `refs`."""
+    parts: list[dict[str, str]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and takes_images:
+            refs.append((f"{where}.content[{j}]", _image_url(part, f"{where}.content[{j}]")))
+            parts.append({"type": "image"})
+        elif kind == "image_url":
+            raise OpenAIError(
+                f"{where}.content[{j}]: this engine serves a text-only model, which takes no images", where
+            )
+        else:
+            allowed = "{'type': 'text', 'text': ...}" + (" or {'type': 'image_url', ...}" if takes_images else "")
+            raise OpenAIError(f"{where}.content parts must each be {allowed}", where)
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _messages(body: dict, takes_images: bool = False) -> tuple[list[dict[str, Any]], ImageRefs]:
+    """`messages` as the chat template takes them (content as text, or text and image parts; tool-call arguments
+    as mappings), and the references of their images in order."""
+    out, refs = [], []
     for i, message in enumerate(oai.messages_field(body)):
         where = f"messages[{i}]"
         content = message.get("content")
-        if isinstance(content, list):  # content parts: only text is understood here
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise OpenAIError(f"{where}.content parts must all be {{'type': 'text', 'text': ...}}", where)
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):
+            content = _content(content, where, takes_images, refs)
         elif content is not None and not isinstance(content, str):
             raise OpenAIError(f"{where}.content must be a string, a list of text parts or null", where)
         message = {**message, "content": content or ""}
@@ -379,13 +420,21 @@ def _messages(body: dict) -> list[dict[str, Any]]:
                 except ValueError:
                     raise OpenAIError(f"{where}.tool_calls arguments must be a JSON object string", where) from None
         out.append(message)
-    return out
+    return out, refs
 
 
 def _tools(body: dict) -> list[dict] | None:
     """The tools to render and parse calls of; none with `tool_choice: "none"`."""
     tools = oai.tools_field(body)
     return None if body.get("tool_choice") == "none" else tools
+
+
+def _chat_images(refs: ImageRefs) -> list[Any]:
+    """The decoded images of a chat; an unreadable one is an OpenAIError naming its content part."""
+    try:
+        return [load_image(ref, where, allow_path=False) for where, ref in refs]  # client input: never a file
+    except ValueError as error:
+        raise OpenAIError(str(error), str(error).partition(":")[0]) from None
 
 
 def _chat_prompt(engine: CpuEngine, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -470,7 +519,8 @@ def add_routes(
     @openai_errors
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
-        messages, tools = _messages(body), _tools(body)
+        messages, image_refs = _messages(body, engine.vision is not None)
+        tools = _tools(body)
         params = _sampling(body, engine)
         n, seed = oai.choice_fields(body)
         streaming, include_usage = oai.stream_fields(body)
@@ -478,7 +528,14 @@ def add_routes(
         top_logprobs = _top_logprobs(body, logprobs)
         # Templating and tokenizing take a while on a long conversation: off the event loop.
         prompt = await asyncio.to_thread(_chat_prompt, engine, messages, tools)
-        requests = _build_requests(engine, [prompt], params, n, seed, logprobs, _adapters(body, engine, 1))
+        adapters = _adapters(body, engine, 1)
+        if image_refs:  # decoding and processing images takes a while too
+            images = await asyncio.to_thread(_chat_images, image_refs)
+            requests = await asyncio.to_thread(
+                _build_requests, engine, [prompt], params, n, seed, logprobs, adapters, images
+            )
+        else:
+            requests = _build_requests(engine, [prompt], params, n, seed, logprobs, adapters)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -487,11 +544,12 @@ def add_routes(
         }
         if not streaming:
             entries = await run(requests, top_logprobs)
+            # Usage counts the prompt as the model sees it: image placeholders expanded.
             choices = [
                 _chat_choice(i, r, engine, tools, e if logprobs else None)
                 for i, (r, e) in enumerate(zip(requests, entries))
             ]
-            return web.json_response({**head, "choices": choices, "usage": _usage([prompt], requests)})
+            return web.json_response({**head, "choices": choices, "usage": _usage([requests[0].input_ids], requests)})
 
         head["object"] = "chat.completion.chunk"
 
@@ -516,7 +574,7 @@ def add_routes(
                     choice["finish_reason"] = oai.finish_reason(message, _finish_reason(request))
                 yield {**head, "choices": [choice]}
             if include_usage:
-                yield {**head, "choices": [], "usage": _usage([prompt], requests)}
+                yield {**head, "choices": [], "usage": _usage([requests[0].input_ids], requests)}
 
         def final_text(request: GenerationRequest) -> str:
             return oai.assistant_message(_text(request, engine), tools)["content"] or ""

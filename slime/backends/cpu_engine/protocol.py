@@ -1,10 +1,12 @@
 """The /generate wire format: parse SGLang-shaped JSON into `GenerationRequest`s and build responses.
 
 Only what this engine implements is accepted. SGLang fields that would change the result
-but are not implemented here (streaming, multimodal inputs, penalties, grammars, top-logprobs)
-are rejected with HTTP 400 unless they carry their neutral value. `lora_path` names a loaded
-LoRA adapter (one per prompt in a batch, null for the base model; see `lora.py`). Other
-top-level fields are ignored, as SGLang does: sglang-router re-serializes every request and
+but are not implemented here (streaming, video / audio inputs, penalties, grammars, top-logprobs)
+are rejected with HTTP 400 unless they carry their neutral value. `image_data` is taken by engines
+serving a vision-language model (see `vision.py`): per prompt one image or a list of them, each
+base64 PNG/JPEG or a `data:` URL (a file path is refused: clients must not make the engine read its
+host's files). `lora_path` names a loaded LoRA adapter (one per prompt in a batch, null for the base
+model; see `lora.py`). Other top-level fields are ignored, as SGLang does: sglang-router re-serializes every request and
 adds its own (`model`, `return_bytes`, ...). Unknown *sampling* parameters are refused, as in SGLang.
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from slime.backends.cpu_engine.sampling import SamplingParams
+from slime.backends.cpu_engine.vision import Vision, VisionInputs
 from slime.utils.moe_routing import encode_routed_experts
 from slime.utils.openai_protocol import max_token_chars
 
@@ -48,6 +51,8 @@ class GenerationRequest:
         max_new_tokens: `params.max_new_tokens`, capped so prompt + output fits the context.
         return_routed_experts: Report the experts every token was routed to (MoE models; SGLang's R3 field).
         lora_path: Name of the loaded LoRA adapter to generate with; None for the base model.
+        vision: The request's images as model inputs (vision-language models); `input_ids` then holds the
+            expanded image placeholders.
     """
 
     rid: str
@@ -60,6 +65,7 @@ class GenerationRequest:
     max_new_tokens: int = 0
     return_routed_experts: bool = False
     lora_path: str | None = None
+    vision: VisionInputs | None = None
     arrival_time: float = field(default_factory=time.time)
     # Filled in by the engine.
     output_ids: list[int] = field(default_factory=list)
@@ -199,7 +205,6 @@ def _parse_field(name: str, value: Any, vocab_size: int) -> Any:
 _UNSUPPORTED_FIELDS = {
     "stream",
     "input_embeds",
-    "image_data",
     "video_data",
     "audio_data",
     "modalities",
@@ -216,7 +221,7 @@ _UNSUPPORTED_FIELDS = {
 
 
 def parse_generate_request(
-    body: Any, tokenizer, vocab_size: int, context_length: int
+    body: Any, tokenizer, vocab_size: int, context_length: int, vision: Vision | None = None
 ) -> tuple[list[GenerationRequest], bool]:
     """Validate a /generate body and split it into one `GenerationRequest` per sequence.
 
@@ -224,7 +229,8 @@ def parse_generate_request(
         body: The decoded JSON body.
         tokenizer: Used to tokenize `text` and to size the stop-string window.
         vocab_size: Token ids must be below this (the model's embedding rows).
-        context_length: Prompt plus generated tokens must fit in this.
+        context_length: Prompt plus generated tokens must fit in this (counting expanded image placeholders).
+        vision: The engine's image support; None for a text-only model (which refuses `image_data`).
 
     Returns:
         (requests, is_batch): `is_batch` is True when `text` / `input_ids` was a list of prompts,
@@ -241,6 +247,15 @@ def parse_generate_request(
 
     prompts, is_batch = _parse_prompts(body, tokenizer, vocab_size, context_length)
     count = len(prompts)
+    images = _parse_image_data(body.get("image_data"), count, is_batch, vision)
+    visions: list[VisionInputs | None] = [None] * count
+    for i, items in enumerate(images):
+        if items:
+            where = f"image_data[{i}]" if is_batch else "image_data"
+            try:
+                prompts[i], visions[i] = vision.prepare(prompts[i], items, where)
+            except ValueError as error:
+                raise RequestError(str(error)) from None
     sampling_params = _per_item(body, "sampling_params", count, is_batch, None, dict)
     return_logprob = _per_item(body, "return_logprob", count, is_batch, False, bool)
     logprob_start_len = _per_item(body, "logprob_start_len", count, is_batch, -1, int)
@@ -287,9 +302,24 @@ def parse_generate_request(
                 max_new_tokens=room if params.max_new_tokens is None else params.max_new_tokens,
                 return_routed_experts=bool(return_routed[i]),
                 lora_path=lora_paths[i],
+                vision=visions[i],
             )
         )
     return requests, is_batch
+
+
+def _parse_image_data(value: Any, count: int, is_batch: bool, vision: Vision | None) -> list[list[Any]]:
+    """SGLang's `image_data` as a list of images per prompt: a single prompt takes one image or a list of them, a
+    batch one such entry per prompt (null for a prompt without images)."""
+    if value in (None, [], ""):
+        return [[] for _ in range(count)]
+    if vision is None:
+        raise RequestError("field 'image_data': this engine serves a text-only model, which takes no images; omit it")
+    if not is_batch:
+        return [value if isinstance(value, list) else [value]]
+    if not isinstance(value, list) or len(value) != count:
+        raise RequestError(f"image_data must list one entry (an image, a list of images or null) per prompt ({count})")
+    return [[] if item is None else item if isinstance(item, list) else [item] for item in value]
 
 
 def check_text_fits(text: str, tokenizer, context_length: int, where: str) -> None:

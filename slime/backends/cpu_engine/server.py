@@ -5,7 +5,8 @@ so /abort_request, /health and control calls stay responsive during long generat
 
 Endpoints (request/response shapes follow SGLang):
     POST /generate                       text | input_ids (single or batch), sampling_params, return_logprob,
-                                         logprob_start_len, return_text_in_logprobs, rid. `stream` is refused;
+                                         logprob_start_len, return_text_in_logprobs, rid, image_data (vision-language
+                                         models: images per prompt, see vision.py). `stream` is refused;
                                          unknown top-level fields are ignored (the router adds some).
     GET  /health                         200 while the server runs.
     GET  /health_generate                a 1-token generation; 200 without generating while paused; 503 while released.
@@ -500,10 +501,12 @@ def _resolve_from_thread(loop: asyncio.AbstractEventLoop, future: asyncio.Future
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
     body = await _json_body(request, GENERATE_MAX_BODY_BYTES)
-    parse = functools.partial(parse_generate_request, body, engine.tokenizer, engine.vocab_size, engine.context_length)
-    # Checking millions of token ids takes a while; keep the event loop free for /health meanwhile.
-    big = request["body_bytes"] > PARSE_OFF_LOOP_BYTES
-    requests, is_batch = await asyncio.to_thread(parse) if big else parse()
+    parse = functools.partial(
+        parse_generate_request, body, engine.tokenizer, engine.vocab_size, engine.context_length, engine.vision
+    )
+    # Checking millions of token ids, or decoding images, takes a while; keep the event loop free for /health meanwhile.
+    slow = request["body_bytes"] > PARSE_OFF_LOOP_BYTES or bool(body.get("image_data"))
+    requests, is_batch = await asyncio.to_thread(parse) if slow else parse()
     limit = request.app[_STATE]["args"].max_queued_requests
     if len(requests) > limit:
         raise RequestError(f"a batch of {len(requests)} prompts exceeds --max-queued-requests {limit}; split it")
@@ -555,7 +558,7 @@ async def get_model_info(request: web.Request) -> web.Response:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": engine.weight_version,
-            "has_image_understanding": False,
+            "has_image_understanding": engine.vision is not None,
             "has_audio_understanding": False,
             "model_type": getattr(config, "model_type", None),
             "architectures": getattr(config, "architectures", None),

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import os
 import stat
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from slime.utils.misc import load_pretrained, load_tokenizer, release_free_host_memory
+from slime.backends.cpu_engine.vision import is_vision_language
+from slime.utils.misc import load_pretrained, release_free_host_memory
+from slime.utils.processing_utils import load_tokenizer
 
 
 def load_model(
@@ -27,7 +30,8 @@ def load_model(
     tokenizer_path: str | Path | None = None,
     trust_remote_code: bool = False,
 ):
-    """Load a HF causal LM and its tokenizer for inference on CPU.
+    """Load a HF causal LM, or a vision-language model (by its config, see `vision.is_vision_language`), and its
+    tokenizer for inference on CPU.
 
     The parameters are copied out of the memory-mapped checkpoint, so later writes to the
     checkpoint folder (or its deletion) cannot change or break the running model.
@@ -41,16 +45,43 @@ def load_model(
     Returns:
         (model in eval mode, tokenizer).
     """
-    model = load_pretrained(AutoModelForCausalLM, str(model_path), trust_remote_code, dtype=dtype).eval()
+    config = load_pretrained(AutoConfig, str(model_path), trust_remote_code)
+    loader = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    model = load_pretrained(loader, str(model_path), trust_remote_code, dtype=dtype).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
-    tokenizer = load_tokenizer(str(tokenizer_path or model_path), trust_remote_code)
+    tokenizer = load_tokenizer(str(tokenizer_path or model_path), trust_remote_code=trust_remote_code)
     return model, tokenizer
 
 
+# model -> {checkpoint name: live name}, computed once per model
+_CHECKPOINT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def checkpoint_names(model) -> dict[str, str]:
+    """Names the model's weights have in a saved HF checkpoint, where they differ from its live `state_dict` names.
+
+    transformers 5 renames some families on load (Qwen2.5-VL: `model.layers.*` -> `model.language_model.layers.*`,
+    `visual.*` -> `model.visual.*`) and back on save; Megatron's HF export and hub checkpoints use the saved names,
+    an FSDP trainer the live ones. Only renamings count: tensors a converter fuses (MoE experts) are mapped by
+    `weight_targets` itself.
+    """
+    if model not in _CHECKPOINT_NAMES:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        # Meta tensors: a converter run on them costs nothing; its outputs are new tensors and are skipped.
+        live = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in model.state_dict().items()}
+        by_id = {id(t): name for name, t in live.items()}
+        saved = revert_weight_conversion(model, dict(live))
+        _CHECKPOINT_NAMES[model] = {
+            name: by_id[id(t)] for name, t in saved.items() if id(t) in by_id and by_id[id(t)] != name
+        }
+    return _CHECKPOINT_NAMES[model]
+
+
 def weight_targets(model) -> dict[str, torch.Tensor]:
-    """Every name a weight update may use, mapped to the live tensor (tied aliases included).
+    """Every name a weight update may use, mapped to the live tensor (tied aliases and checkpoint names included).
 
     transformers 5 fuses an MoE layer's experts into 3-D `experts.gate_up_proj` / `experts.down_proj` tensors, while
     hub checkpoints and Megatron's HF export name them one expert at a time (`experts.{E}.gate_proj.weight`, ...):
@@ -59,6 +90,7 @@ def weight_targets(model) -> dict[str, torch.Tensor]:
     """
     targets = dict(model.state_dict(keep_vars=True))
     targets.update(model.named_parameters(remove_duplicate=False))
+    targets.update({saved: targets[live] for saved, live in checkpoint_names(model).items()})
     for name, tensor in list(targets.items()):
         prefix, _, kind = name.rpartition(".")
         if not prefix.endswith(".experts") or tensor.dim() != 3 or kind not in ("gate_up_proj", "down_proj"):
@@ -289,10 +321,14 @@ def load_safetensors_folder(targets: dict[str, torch.Tensor], model_path: str | 
 
 
 def parameters_missing_from(model, names: set[str]) -> list[str]:
-    """Parameters none of whose names (tied aliases included) is in `names`."""
+    """Parameters none of whose names (tied aliases and checkpoint names included) is in `names`."""
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for saved, live in checkpoint_names(model).items():
+        if live in params:
+            aliases[id(params[live])].append(saved)
     return [group[0] for group in aliases.values() if not names.intersection(group)]
 
 

@@ -31,7 +31,9 @@ from slime.backends.fsdp_utils.loss import LOSS_FUNCTIONS
 from slime.backends.fsdp_utils.model import (
     build_lr_scheduler,
     build_optimizer,
+    freeze_vision_tower,
     is_hf_folder,
+    is_vision_language,
     load_local_shards,
     load_model,
     read_hf_state_dict,
@@ -42,6 +44,7 @@ from slime.backends.fsdp_utils.model import (
     shard_model,
     snapshot_local_shards,
     training_device,
+    vision_batching,
 )
 from slime.backends.fsdp_utils.update_weight import full_parameter_buckets
 from slime.backends.train_actor import TrainRayActor, Weights
@@ -96,11 +99,20 @@ class FSDPTrainRayActor(TrainRayActor):
                 model, args.only_train_params_name_list, args.freeze_params_name_list
             )
             logger.info("rank %d: training %d of the model's parameter tensors", self.rank, len(trainable))
+        if is_vision_language(model.config) and not args.train_vision_tower:  # the language model trains alone
+            freeze_vision_tower(model)
         # --use-rollout-routing-replay: the actor's MoE routers take the engines' experts (`_response_logits`)
         self.routers = HFRouters(model, model.config.num_hidden_layers) if self.replay_routing else None
         self.model, _ = shard_model(model, self.dp_size, bf16=args.bf16)
         self.optimizer = build_optimizer(args, self.model)
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
+        # --multi-lora-n-adapters: each adapter has its own optimizer and scheduler; `train` takes each in turn.
+        self.adapters = lora.peft_adapter_names(args) if self.lora else []
+        self.adapter_optimizers = (
+            lora.adapter_optimizers(args, self.model, self.adapters) if len(self.adapters) > 1 else []
+        )
+        if self.adapter_optimizers:
+            self.optimizer, self.lr_scheduler = self.adapter_optimizers[0]
         self.ref_weights = self._reference_shards() if with_ref else None
         # What `_step_gradients` computes the loss from: the critic's values or the policy's logits.
         self._training_output = self._values_output if self.value_head else self._policy_output
@@ -110,11 +122,12 @@ class FSDPTrainRayActor(TrainRayActor):
         ckpt_step = args.ckpt_step  # Megatron's --ckpt-step: this step instead of the latest
         if load_root and (ckpt_step is not None or checkpoint.latest_iteration(load_root) is not None):
             finetune = args.finetune
+            optimizer, scheduler = self._checkpointed_optimizers()
             loaded = checkpoint.load_checkpoint(
                 load_root,
                 self.model,
-                None if finetune or args.no_load_optim else self.optimizer,
-                None if finetune else self.lr_scheduler,
+                None if finetune or args.no_load_optim else optimizer,
+                None if finetune else scheduler,
                 load_rng=not (finetune or args.no_load_rng),
                 rollout_id=ckpt_step,
                 adapter_only=self.lora,
@@ -153,11 +166,19 @@ class FSDPTrainRayActor(TrainRayActor):
             device=self.device,
             attn_implementation=self.attn_implementation,
             routed_experts=data.get("rollout_routed_experts") if self.routers is not None else None,
+            vision=vision_batching(self.model, data.get("multimodal_train_inputs"), len(data["tokens"])),
         )
 
     def _probe_micro_batches(self, probe: list[int]) -> Steps:
         return build_step_micro_batches(
-            [probe], [len(probe) - 1], 1, 1, None, device=self.device, attn_implementation=self.attn_implementation
+            [probe],
+            [len(probe) - 1],
+            1,
+            1,
+            None,
+            device=self.device,
+            attn_implementation=self.attn_implementation,
+            vision=vision_batching(self.model, None, 1),
         )
 
     def _forward_log_probs(self, steps: Steps, num_samples: int, temperature: float | None = None) -> list:
@@ -255,8 +276,7 @@ class FSDPTrainRayActor(TrainRayActor):
             root,
             rollout_id,
             self.model,
-            self.optimizer,
-            self.lr_scheduler,
+            *self._checkpointed_optimizers(),
             save_optimizer=not self.args.no_save_optim,
             role=self.role,
             update_tracker=update_tracker,
@@ -270,6 +290,17 @@ class FSDPTrainRayActor(TrainRayActor):
         return full_parameter_buckets(self.model, self.args.update_weight_buffer_size, dtype)
 
     # ---- LoRA (--lora-rank; what it changes is TrainRayActor's) ----------------------------------
+    def train(self, rollout_id: int, rollout_data, values_refs=None) -> dict[str, float]:
+        if self.adapter_optimizers:  # --multi-lora-n-adapters: each adapter on its own samples, with its optimizer
+            return lora.train_each_adapter(self, rollout_id, rollout_data, super().train)
+        return super().train(rollout_id, rollout_data, values_refs)
+
+    def _checkpointed_optimizers(self) -> tuple:
+        """(optimizer, LR scheduler) a checkpoint holds: a list of each under --multi-lora-n-adapters."""
+        if not self.adapter_optimizers:
+            return self.optimizer, self.lr_scheduler
+        return [pair[0] for pair in self.adapter_optimizers], [pair[1] for pair in self.adapter_optimizers]
+
     def _adapter_config(self) -> dict | None:
         return lora.adapter_config(self.model) if self.lora else None
 

@@ -5,9 +5,10 @@ Layout of `--save DIR` (the critic uses `DIR/critic`; see `slime.utils.run_dir`)
     DIR/latest_checkpointed_iteration.txt     the last complete step, e.g. "12" (written by the driver)
     DIR/iter_0000012/
         model/        torch.distributed.checkpoint (DCP) of the sharded weights (under --lora-rank: the adapter's)
-        adapter/      under --lora-rank: the adapter as a PEFT folder (`peft.PeftModel.from_pretrained` loads it)
-        optim/        DCP of the AdamW state (absent with --no-save-optim)
-        scheduler.pt  LR scheduler state
+        adapter/      under --lora-rank: the adapter as a PEFT folder (`peft.PeftModel.from_pretrained` loads it);
+                      under --multi-lora-n-adapters one PEFT folder per adapter, adapter/slime-policy-<k>/
+        optim/        DCP of the AdamW state (absent with --no-save-optim); one entry per adapter's optimizer
+        scheduler.pt  LR scheduler state (a list of each adapter's)
         rng/rank_00000.pt ...   python / numpy / torch (/ CUDA) RNG state of each rank
         meta.json     {"rollout_id", "world_size", "role", "has_optimizer"}
         .slime-folder marker: slime wrote this folder, with the SHA-256 of model/ and optim/'s DCP indexes
@@ -50,7 +51,7 @@ from slime.backends.fsdp_utils.model import gather_full_state_dict, reshard, sav
 from slime.utils import atomic_dir, run_dir
 from slime.utils.checkpoint_safety import check_checkpoint
 from slime.utils.device import cuda_available
-from slime.utils.lora import CHECKPOINT_ADAPTER_DIR
+from slime.utils.lora import CHECKPOINT_ADAPTER_DIR, POLICY_ADAPTER, split_by_adapter
 from slime.utils.lora_export import write_adapter_folder
 
 logger = logging.getLogger(__name__)
@@ -118,12 +119,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer]
+Schedulers = torch.optim.lr_scheduler.LRScheduler | list[torch.optim.lr_scheduler.LRScheduler]
+
+
 def save_checkpoint(
     root: str,
     rollout_id: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer: Optimizers,
+    scheduler: Schedulers,
     save_optimizer: bool = True,
     role: str = "actor",
     update_tracker: bool = True,
@@ -135,8 +140,8 @@ def save_checkpoint(
         root: `--save` (or its `critic` subfolder).
         rollout_id: The rollout just trained.
         model: The sharded model.
-        optimizer: Its optimizer.
-        scheduler: Its LR scheduler.
+        optimizer: Its optimizer, or under --multi-lora-n-adapters each adapter's, in adapter order.
+        scheduler: Its LR scheduler (each adapter's, likewise).
         save_optimizer: False with `--no-save-optim`.
         role: Recorded in meta.json.
         update_tracker: Write the tracker too. The driver passes False and writes it once every part
@@ -164,15 +169,24 @@ def save_checkpoint(
     options = _model_state_options(adapter_only)
     dcp.save({"model": get_model_state_dict(model, options=options)}, checkpoint_id=os.path.join(tmp_dir, "model"))
     if adapter_only:
-        tensors = dict(lora.adapter_tensors(model))
+        adapters = split_by_adapter(list(lora.adapter_tensors(model)))  # a collective: every rank gathers
         if rank == 0:
-            write_adapter_folder(os.path.join(tmp_dir, CHECKPOINT_ADAPTER_DIR), tensors, lora.adapter_config(model))
+            for adapter, tensors in adapters.items():
+                # One adapter: adapter/ itself; several: adapter/<name>/ each (a PEFT folder per adapter).
+                folder = os.path.join(tmp_dir, CHECKPOINT_ADAPTER_DIR, "" if adapter == POLICY_ADAPTER else adapter)
+                config = lora.adapter_config(model, None if adapter == POLICY_ADAPTER else adapter)
+                write_adapter_folder(folder, dict(tensors), config)
+    optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
     if save_optimizer:
-        dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(tmp_dir, "optim"))
+        state = {_optim_key(k, len(optimizers)): get_optimizer_state_dict(model, o) for k, o in enumerate(optimizers)}
+        dcp.save(state, checkpoint_id=os.path.join(tmp_dir, "optim"))
     torch.save(rng_state(), os.path.join(tmp_dir, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
-        torch.save(scheduler.state_dict(), os.path.join(tmp_dir, "scheduler.pt"))
+        schedulers = [s.state_dict() for s in scheduler] if isinstance(scheduler, list) else scheduler.state_dict()
+        torch.save(schedulers, os.path.join(tmp_dir, "scheduler.pt"))
         meta = {"rollout_id": rollout_id, "world_size": _world_size(), "role": role, "has_optimizer": save_optimizer}
+        if isinstance(optimizer, list):
+            meta["lora_adapters"] = len(optimizers)
         with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
     _barrier()
@@ -187,8 +201,8 @@ def save_checkpoint(
 def load_checkpoint(
     root: str,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    optimizer: Optimizers | None,
+    scheduler: Schedulers | None,
     load_rng: bool = True,
     rollout_id: int | None = None,
     adapter_only: bool = False,
@@ -198,8 +212,9 @@ def load_checkpoint(
     Args:
         root: `--load` (or its `critic` subfolder, which follows `--load`'s tracker).
         model: The sharded model to load into.
-        optimizer: Loaded unless None (`--no-load-optim`, `--finetune`) or the checkpoint has none.
-        scheduler: Loaded unless None.
+        optimizer: Loaded unless None (`--no-load-optim`, `--finetune`) or the checkpoint has none; a list under
+            --multi-lora-n-adapters (each adapter's, in adapter order).
+        scheduler: Loaded unless None (a list likewise).
         load_rng: Restore this rank's RNG state (`--no-load-rng` turns it off).
         rollout_id: Load this iteration instead of the tracker's.
         adapter_only: `--lora-rank`: the checkpoint holds the adapter only (`save_checkpoint(adapter_only=True)`).
@@ -224,6 +239,13 @@ def load_checkpoint(
     check_checkpoint(folder, "--load")
     with open(os.path.join(folder, "meta.json")) as f:
         meta = json.load(f)
+    # The model's own adapters, not its optimizers: --finetune and --no-load-optim load none of those.
+    count = len(getattr(model, "peft_config", None) or [None]) if adapter_only else 1
+    if meta.get("lora_adapters", 1) != count:
+        raise ValueError(
+            f"{folder} holds {meta.get('lora_adapters', 1)} LoRA adapter(s) with their optimizers, but this run trains "
+            f"{count} (--multi-lora-n-adapters); resume with the adapter count it was saved with"
+        )
 
     reshard(model)
     options = _model_state_options(adapter_only)
@@ -231,12 +253,18 @@ def load_checkpoint(
     dcp.load(model_state, checkpoint_id=os.path.join(folder, "model"))
     set_model_state_dict(model, model_state["model"], options=options)
     if optimizer is not None and meta["has_optimizer"]:
-        optim_state = {"optim": get_optimizer_state_dict(model, optimizer)}
+        optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
+        keys = [_optim_key(k, len(optimizers)) for k in range(len(optimizers))]
+        optim_state = {key: get_optimizer_state_dict(model, o) for key, o in zip(keys, optimizers, strict=True)}
         dcp.load(optim_state, checkpoint_id=os.path.join(folder, "optim"))
-        set_optimizer_state_dict(model, optimizer, optim_state["optim"])
+        for key, o in zip(keys, optimizers, strict=True):
+            set_optimizer_state_dict(model, o, optim_state[key])
     if scheduler is not None:
         # LambdaLR's state is numbers (its lambda is a function, stored as None).
-        scheduler.load_state_dict(torch.load(os.path.join(folder, "scheduler.pt"), weights_only=True))
+        saved = torch.load(os.path.join(folder, "scheduler.pt"), weights_only=True)
+        schedulers, states = (scheduler, saved) if isinstance(scheduler, list) else ([scheduler], [saved])
+        for one, state in zip(schedulers, states, strict=True):
+            one.load_state_dict(state)
     rng_file = os.path.join(folder, "rng", f"rank_{_rank():05d}.pt")
     if load_rng and os.path.isfile(rng_file):
         try:
@@ -249,6 +277,11 @@ def load_checkpoint(
     elif load_rng:
         logger.warning("%s has no RNG state for rank %d (saved with %d ranks)", folder, _rank(), meta["world_size"])
     return rollout_id
+
+
+def _optim_key(index: int, count: int) -> str:
+    """The optimizer's entry in the optim/ DCP: "optim", or "optim_<k>" for adapter k of several."""
+    return "optim" if count == 1 else f"optim_{index}"
 
 
 def _model_state_options(adapter_only: bool) -> StateDictOptions | None:

@@ -20,13 +20,23 @@ sequence; `logit_rows` / `logit_positions` say where each response token's predi
 Measured on CPU: logits equal per-sequence logits within 5e-6 (`tests/integration/test_fsdp_backend.py`
 checks 1e-5 for both layouts).
 
+Vision-language models (`add_vision_inputs`): the micro-batch also carries its images' `pixel_values` and
+`image_grid_thw`, concatenated in the order the images' tokens appear in the rows (a shared prompt's images once),
+and `mm_token_type_ids`; `position_ids` become the model's 3-D M-RoPE positions, computed per sequence by the
+model's own `get_rope_index`, since a row packing several sequences is beyond the model's own computation. Images may
+sit in a response too (a multi-turn sample whose tool turn returned one): a sample's `multimodal_train_inputs` hold
+all its images in token order, and a shared-prompt row takes its prompt's images once, then each response's own.
+
 FSDP all-gathers parameters inside every forward, so all data-parallel ranks must run the same
 number of forwards: `align_micro_batch_counts` pads short ranks with zero-weight micro-batches.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +55,8 @@ class PackedMicroBatch:
     Attributes:
         sample_indices: Positions of the samples in this rank's rollout shard, in layout order.
         input_ids: `[R, L]` token ids.
-        position_ids: `[R, L]` positions within each sequence.
+        position_ids: `[R, L]` positions within each sequence; for a vision-language model `[3, R, L]` M-RoPE
+            positions (`[4, 1, L]` in one packed row: the restarting text positions first, as HF takes them).
         attention_mask: `[R, 1, L, L]` mask for shared-prompt rows (bool, or additive float for eager
             attention); None for one packed row, where HF derives the mask from `position_ids`.
         logit_rows: `[M]` the row of each response token's predictor (M = total response length).
@@ -56,6 +67,8 @@ class PackedMicroBatch:
         sequence_lengths: Tokens of each sequence the forward attends within, padding left out (a sample; or a
             prompt with its responses): what the model FLOPs are counted over.
         routed_experts: `[R, L, num_layers, top_k]` experts to route each position to (MoE routing replay), or None.
+        vision_inputs: A vision-language model's extra forward inputs (`mm_token_type_ids`, and `pixel_values` /
+            `image_grid_thw` when the rows hold images), or None.
     """
 
     @property
@@ -74,6 +87,134 @@ class PackedMicroBatch:
     weight: float = 1.0
     sequence_lengths: list[int] = field(default_factory=list)
     routed_experts: torch.Tensor | None = None
+    vision_inputs: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class VisionBatching:
+    """What laying out a vision-language model's micro-batches needs (see `add_vision_inputs`).
+
+    Attributes:
+        inputs: Each sample's `multimodal_train_inputs` (`pixel_values`, `image_grid_thw` of all its images, prompt
+            and response, in token order), None for one without images.
+        rope_index: The model's `get_rope_index(input_ids, mm_token_type_ids=, image_grid_thw=)`.
+        image_token_id: The image placeholder token (`config.image_token_id`).
+    """
+
+    inputs: list[dict[str, Any] | None]
+    rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    image_token_id: int
+
+    def prompt_keys(self, tokens: list[list[int]], response_lengths: list[int]) -> list[bytes | None]:
+        """Per sample, a digest of its prompt's images: prompts with equal tokens but other images must not share a
+        row (images in the responses do not matter: each response keeps its own)."""
+        keys = []
+        for index, inputs in enumerate(self.inputs):
+            prompt, _ = split_prompt_response(tokens, response_lengths, index)
+            count = _image_count(prompt, self.image_token_id)
+            if not inputs or not count:
+                keys.append(None)
+                continue
+            images = _images(inputs, 0, count)
+            digest = hashlib.sha1(images["pixel_values"].detach().cpu().float().numpy().tobytes())
+            digest.update(images["image_grid_thw"].cpu().numpy().tobytes())
+            keys.append(digest.digest())
+        return keys
+
+
+def _image_count(ids: list[int], image_token_id: int) -> int:
+    """Images in `ids`: each image is one run of its placeholder token (as `expand_image_pads` writes them)."""
+    return sum(token == image_token_id and (pos == 0 or ids[pos - 1] != token) for pos, token in enumerate(ids))
+
+
+def _images(inputs: dict[str, Any], first: int, stop: int | None) -> dict[str, torch.Tensor]:
+    """Images `first:stop` of a sample's `multimodal_train_inputs`: their grids and their rows of `pixel_values`
+    (t * h * w patches per image)."""
+    grid = inputs["image_grid_thw"]
+    rows = torch.cumsum(torch.cat([grid.new_zeros(1), grid.prod(dim=-1)]), 0).tolist()
+    stop = len(grid) if stop is None else stop
+    return {"pixel_values": inputs["pixel_values"][rows[first] : rows[stop]], "image_grid_thw": grid[first:stop]}
+
+
+def _mrope_positions(ids: list[int], images: dict[str, Any] | None, vision: VisionBatching) -> torch.Tensor:
+    """`[3, len(ids)]` M-RoPE positions of one whole sequence whose images are `images` (text positions without)."""
+    if not images:
+        return torch.arange(len(ids)).expand(3, -1)
+    tokens = torch.tensor([ids])
+    positions, _ = vision.rope_index(
+        tokens, mm_token_type_ids=(tokens == vision.image_token_id).int(), image_grid_thw=images["image_grid_thw"]
+    )
+    return positions[:, 0]
+
+
+def add_vision_inputs(
+    micro_batch: PackedMicroBatch,
+    tokens: list[list[int]],
+    response_lengths: list[int],
+    vision: VisionBatching,
+    prompt_keys: list[bytes | None] | None = None,
+) -> None:
+    """Give a laid-out micro-batch its M-RoPE `position_ids` and `vision_inputs`, in place.
+
+    Every sequence's positions come from `get_rope_index` over the whole sequence (it places tokens left to right,
+    so a prompt's positions do not depend on the response after it). A shared-prompt row holds the prompt once with
+    its images (those of the row's first sample), then each response at the positions it has in its own sequence,
+    with the images inside it; one packed row gets each sequence's positions and images whole. `prompt_keys` are
+    `vision.prompt_keys(tokens, response_lengths)` when the caller has them already.
+    """
+    device = micro_batch.input_ids.device
+    images: list[dict[str, Any]] = []  # in the order their tokens appear in the rows
+    if micro_batch.attention_mask is not None:
+        positions = micro_batch.position_ids.cpu().expand(3, -1, -1).clone()
+        if prompt_keys is None:
+            prompt_keys = vision.prompt_keys(tokens, response_lengths)
+        for row, members in enumerate(_rows(micro_batch.sample_indices, tokens, response_lengths, prompt_keys)):
+            if not any(vision.inputs[i] for i in members):
+                continue  # text positions
+            first = members[0]
+            prompt_length = len(tokens[first]) - response_lengths[first]
+            prompt_images = _image_count(tokens[first][:prompt_length], vision.image_token_id)
+            start = prompt_length
+            for i in members:
+                inputs = vision.inputs[i]
+                whole = _mrope_positions(tokens[i], inputs, vision)
+                if i == first:
+                    positions[:, row, :prompt_length] = whole[:, :prompt_length]
+                    if inputs and prompt_images:
+                        images.append(_images(inputs, 0, prompt_images))
+                positions[:, row, start : start + response_lengths[i]] = whole[:, prompt_length:]
+                start += response_lengths[i]
+                if inputs and len(inputs["image_grid_thw"]) > prompt_images:
+                    images.append(_images(inputs, prompt_images, None))
+    else:
+        parts = []
+        for index in micro_batch.sample_indices:
+            inputs = vision.inputs[index]
+            if inputs:
+                images.append(inputs)
+            parts.append(_mrope_positions(tokens[index], inputs, vision))
+        positions = torch.cat([micro_batch.position_ids.cpu(), torch.cat(parts, dim=1)])[:, None]
+    micro_batch.position_ids = positions.to(device)
+    extra = {"mm_token_type_ids": (micro_batch.input_ids == vision.image_token_id).int()}
+    if images:
+        extra["pixel_values"] = torch.cat([inputs["pixel_values"] for inputs in images]).to(device)
+        extra["image_grid_thw"] = torch.cat([inputs["image_grid_thw"] for inputs in images]).to(device)
+    micro_batch.vision_inputs = extra
+
+
+def _rows(
+    sample_indices: list[int], tokens: list[list[int]], response_lengths: list[int], keys: list[bytes | None]
+) -> list[list[int]]:
+    """The samples of each shared-prompt row: `pack_shared_prompt_rows` lists a row's samples consecutively."""
+    rows: list[list[int]] = []
+    previous = None
+    for index in sample_indices:
+        key = (split_prompt_response(tokens, response_lengths, index)[0], keys[index])
+        if key != previous:
+            rows.append([])
+        rows[-1].append(index)
+        previous = key
+    return rows
 
 
 def pack_micro_batch(
@@ -132,6 +273,7 @@ def pack_shared_prompt_rows(
     weight: float = 1.0,
     additive_mask: bool = False,
     routed_experts: list[torch.Tensor] | None = None,
+    prompt_keys: list | None = None,
 ) -> PackedMicroBatch:
     """Lay the given samples out as one row per distinct prompt: the prompt once, then its responses.
 
@@ -144,15 +286,17 @@ def pack_shared_prompt_rows(
         additive_mask: Give the mask as 0 / -inf floats (eager attention) instead of booleans (sdpa).
         routed_experts: Every sample's engine routing (`Sample.rollout_routed_experts`), to replay; or None. A
             shared prompt takes the routing of its first sample.
+        prompt_keys: Per sample, what else two prompts must share to share a row (a vision-language prompt's
+            images); None: equal prompt tokens suffice.
 
     Returns:
         The micro-batch; its `sample_indices` are grouped by prompt, in order of first appearance.
     """
-    rows: dict[tuple[int, ...], list[int]] = {}
+    rows: dict[tuple, list[int]] = {}
     for index in sample_indices:
         prompt, _ = split_prompt_response(tokens, response_lengths, index)
-        rows.setdefault(tuple(prompt), []).append(index)
-    width = max(len(prompt) + sum(response_lengths[i] for i in members) for prompt, members in rows.items())
+        rows.setdefault((tuple(prompt), prompt_keys and prompt_keys[index]), []).append(index)
+    width = max(len(prompt) + sum(response_lengths[i] for i in members) for (prompt, _), members in rows.items())
 
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     position_ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -163,7 +307,7 @@ def pack_shared_prompt_rows(
         _, num_layers, top_k = routed_experts[sample_indices[0]].shape
         routing = filler_rows(len(rows) * width, num_layers, top_k).view(len(rows), width, num_layers, top_k)
     ordered, targets, logit_rows, logit_positions, lengths = [], [], [], [], []
-    for row, (prompt, members) in enumerate(rows.items()):
+    for row, ((prompt, _), members) in enumerate(rows.items()):
         ids, positions, segment = list(prompt), list(range(len(prompt))), [0] * len(prompt)
         for k, index in enumerate(members, start=1):
             response = tokens[index][len(prompt) :]
@@ -204,18 +348,27 @@ def pack_shared_prompt_rows(
         target_tokens=torch.tensor(targets, dtype=torch.long, device=device),
         response_lengths=lengths,
         weight=weight,
-        sequence_lengths=[len(prompt) + sum(response_lengths[i] for i in members) for prompt, members in rows.items()],
+        sequence_lengths=[
+            len(prompt) + sum(response_lengths[i] for i in members) for (prompt, _), members in rows.items()
+        ],
         routed_experts=None if routing is None else routing.to(device),
     )
 
 
 def plan_shared_prompt_micro_batches(
-    tokens: list[list[int]], response_lengths: list[int], num_steps: int, max_tokens: int
+    tokens: list[list[int]],
+    response_lengths: list[int],
+    num_steps: int,
+    max_tokens: int,
+    prompt_keys: list | None = None,
 ) -> list[list[list[int]]]:
     """The micro-batches of every step for shared-prompt rows under a token budget (dynamic batch size).
 
     Samples with the same prompt are kept together and cost their prompt once: units of one prompt
     plus as many of its responses as fit in `max_tokens`, packed first-fit decreasing.
+
+    Args:
+        prompt_keys: As in `pack_shared_prompt_rows`.
 
     Returns:
         For each step, lists of shard positions, one per micro-batch.
@@ -224,15 +377,16 @@ def plan_shared_prompt_micro_batches(
     for block in step_slices(len(tokens), num_steps):
         units: list[list[int]] = []
         costs: list[int] = []
-        open_unit: dict[tuple[int, ...], int] = {}  # prompt -> index of its unit that still takes samples
+        open_unit: dict[tuple, int] = {}  # prompt -> index of its unit that still takes samples
         for index in block:
             prompt, response = split_prompt_response(tokens, response_lengths, index)
-            unit = open_unit.get(tuple(prompt))
+            key = (tuple(prompt), prompt_keys and prompt_keys[index])
+            unit = open_unit.get(key)
             if unit is None or costs[unit] + len(response) > max_tokens:
                 unit = len(units)
                 units.append([])
                 costs.append(len(prompt))
-                open_unit[tuple(prompt)] = unit
+                open_unit[key] = unit
             units[unit].append(index)
             costs[unit] += len(response)
         bins = group_samples(list(range(len(units))), costs, max_tokens=max_tokens)
@@ -267,6 +421,7 @@ def build_step_micro_batches(
     process_group: dist.ProcessGroup | None = None,
     attn_implementation: str = "sdpa",
     routed_experts: list[torch.Tensor] | None = None,
+    vision: VisionBatching | None = None,
 ) -> list[list[PackedMicroBatch]]:
     """Micro-batches of every optimizer step of this rank's shard, aligned across ranks.
 
@@ -280,22 +435,35 @@ def build_step_micro_batches(
         process_group: The data-parallel group used to align micro-batch counts.
         attn_implementation: The model's `config._attn_implementation`; picks the layout (module docstring).
         routed_experts: Each sample's engine routing, laid out with the tokens for routing replay; or None.
+        vision: A vision-language model's images and M-RoPE (`add_vision_inputs`); None for a text-only model.
 
     Returns:
         For each step, its micro-batches; padding ones (weight 0) repeat the step's first micro-batch.
     """
     shared = attn_implementation not in VARLEN_ATTENTION
     additive = attn_implementation == "eager"
+    prompt_keys = vision.prompt_keys(tokens, response_lengths) if vision is not None and shared else None
 
     def layout(group: list[int], weight: float = 1.0) -> PackedMicroBatch:
         if not shared:
-            return pack_micro_batch(tokens, response_lengths, group, device, weight, routed_experts)
-        return pack_shared_prompt_rows(
-            tokens, response_lengths, group, device, weight, additive_mask=additive, routed_experts=routed_experts
-        )
+            micro_batch = pack_micro_batch(tokens, response_lengths, group, device, weight, routed_experts)
+        else:
+            micro_batch = pack_shared_prompt_rows(
+                tokens,
+                response_lengths,
+                group,
+                device,
+                weight,
+                additive_mask=additive,
+                routed_experts=routed_experts,
+                prompt_keys=prompt_keys,
+            )
+        if vision is not None:
+            add_vision_inputs(micro_batch, tokens, response_lengths, vision, prompt_keys)
+        return micro_batch
 
     if shared and max_tokens is not None:
-        plan = plan_shared_prompt_micro_batches(tokens, response_lengths, num_steps, max_tokens)
+        plan = plan_shared_prompt_micro_batches(tokens, response_lengths, num_steps, max_tokens, prompt_keys)
     else:
         plan = plan_step_micro_batches(tokens, num_steps, micro_batch_size, max_tokens)
     steps = []

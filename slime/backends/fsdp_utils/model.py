@@ -11,6 +11,10 @@ Precision: float32 everywhere by default (bf16 matmuls are ~200x slower on AVX2-
 `--bf16` (meant for GPUs) FSDP computes in bf16 and keeps float32 master weights, gradient
 reduction and optimizer state.
 
+Vision-language checkpoints (a `vision_config` in config.json: Qwen2.5-VL, Qwen3-VL, ...) load as
+`AutoModelForImageTextToText`; their micro-batches carry the images and M-RoPE positions
+(data_packing.add_vision_inputs), and the vision tower stays frozen unless `--train-vision-tower`.
+
 Weight swaps (the reference model) act on each rank's local shard of every parameter:
 `local_shards` returns tensors that alias the parameters' storage, so `copy_` into them changes
 the live model without reallocating anything.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from argparse import Namespace
 
 import torch
@@ -28,13 +33,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from slime.backends.fsdp_utils.data_packing import PackedMicroBatch
+from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, VisionBatching
 from slime.utils.device import default_device
 from slime.utils.misc import load_pretrained, load_tokenizer
+from slime.utils.processing_utils import load_image_processor, load_processor
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+# Parameter names of a vision tower (with its merger / projector) in HF's vision-language models.
+VISION_TOWER_PATTERN = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
 
 
 def training_device() -> torch.device:
@@ -64,10 +72,18 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        **vision_inputs: torch.Tensor,
     ) -> torch.Tensor:
         hidden = self.backbone(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            **vision_inputs,
         ).last_hidden_state
         # A copy, not a view: FSDP2 attaches its pre-backward hook to the root's output.
         return self.value_head(hidden).squeeze(-1).clone()
@@ -84,7 +100,8 @@ def load_model(
 
     Args:
         path: HF model folder.
-        role: "actor" (causal LM) or "critic" (`ValueModel` on the same backbone; the LM head is dropped).
+        role: "actor" (causal LM; image-text-to-text for a vision-language model) or "critic" (`ValueModel` on
+            the same backbone; the LM head is dropped).
         gradient_checkpointing: Recompute each decoder layer's activations in backward.
         attn_implementation: HF attention implementation ("sdpa", "eager", "flash_attention_2"); None: the default.
         trust_remote_code: Let transformers run Python code shipped in the folder (`--trust-remote-code`).
@@ -96,7 +113,9 @@ def load_model(
         raise ValueError(f"{path!r} is not a HuggingFace model folder (no config.json); check --hf-checkpoint / --load")
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if role == "actor":
-        model = load_pretrained(AutoModelForCausalLM, path, trust_remote_code, dtype=torch.float32, **kwargs)
+        config = load_pretrained(AutoConfig, path, trust_remote_code)
+        loader = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+        model = load_pretrained(loader, path, trust_remote_code, dtype=torch.float32, **kwargs)
         hf_model = model
     elif role == "critic":
         hf_model = load_pretrained(AutoModel, path, trust_remote_code, dtype=torch.float32, **kwargs)
@@ -110,6 +129,40 @@ def load_model(
         else:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model.train()
+
+
+def is_vision_language(config) -> bool:
+    """Whether an HF config is a vision-language model's (it has a `vision_config`, as upstream tells them)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def freeze_vision_tower(model: nn.Module) -> list[str]:
+    """Turn `requires_grad` off for the vision tower's parameters (names matching `VISION_TOWER_PATTERN`).
+
+    Returns:
+        The names frozen.
+
+    Raises:
+        ValueError: the model has no parameter named like a vision tower.
+    """
+    frozen = [name for name, param in model.named_parameters() if VISION_TOWER_PATTERN.search(name)]
+    if not frozen:
+        raise ValueError(f"{type(model).__name__} has no vision tower parameters (visual.*, vision_tower.*) to freeze")
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return frozen
+
+
+def vision_batching(model: nn.Module, multimodal_train_inputs: list | None, num_samples: int) -> VisionBatching | None:
+    """How a vision-language `model` lays out its micro-batches (`data_packing.VisionBatching`), given each of the
+    `num_samples` samples' `multimodal_train_inputs` (None: no sample has images); None for a text-only model."""
+    if not is_vision_language(model.config):
+        return None
+    # The critic's backbone is the inner VL model itself; the actor wraps it with the LM head.
+    inner = model.backbone if isinstance(model, ValueModel) else model.model
+    inputs = list(multimodal_train_inputs) if multimodal_train_inputs is not None else [None] * num_samples
+    return VisionBatching(inputs, inner.get_rope_index, int(model.config.image_token_id))
 
 
 def select_trainable_parameters(
@@ -278,6 +331,7 @@ def response_logits(model: nn.Module, micro_batch: PackedMicroBatch, temperature
         attention_mask=micro_batch.attention_mask,
         use_cache=False,
         logits_to_keep=columns,
+        **(micro_batch.vision_inputs or {}),
     )
     logits = output.logits[micro_batch.logit_rows, column_index].float()
     return logits / temperature if temperature != 1.0 else logits
@@ -293,6 +347,7 @@ def response_values(model: nn.Module, micro_batch: PackedMicroBatch) -> torch.Te
         input_ids=micro_batch.input_ids,
         position_ids=micro_batch.position_ids,
         attention_mask=micro_batch.attention_mask,
+        **(micro_batch.vision_inputs or {}),
     )
     return values[micro_batch.logit_rows, micro_batch.logit_positions].float()
 
@@ -398,19 +453,37 @@ def save_hf_folder(
     """Write a HF folder (config, safetensors weights, generation config, tokenizer) from full weights.
 
     A plain copy of the model class is built on the meta device and given the tensors, so
-    `config.architectures` names the HF class rather than FSDP's wrapper class.
+    `config.architectures` names the HF class rather than FSDP's wrapper class. A vision-language model also gets its
+    source folder's image processor and processor chat template (`_save_processor_files`), without which the export
+    cannot be loaded back as a VLM.
 
     Args:
         model: The sharded actor (its config is used).
         full_state_dict: From `gather_full_state_dict`.
         path: Output folder (created).
-        tokenizer_path: Folder whose tokenizer is saved alongside (skipped when None).
+        tokenizer_path: Folder whose tokenizer (and, for a VLM, processor) is saved alongside (skipped when None).
         trust_remote_code: The model's or tokenizer's classes come from the model folder (`--trust-remote-code`).
     """
+    loader = AutoModelForImageTextToText if is_vision_language(model.config) else AutoModelForCausalLM
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        plain = loader.from_config(model.config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     plain.load_state_dict(full_state_dict, strict=False, assign=True)
     plain.tie_weights()
     plain.save_pretrained(path, safe_serialization=True)
     if tokenizer_path is not None:
         load_tokenizer(tokenizer_path, trust_remote_code).save_pretrained(path)
+        if is_vision_language(model.config):
+            _save_processor_files(tokenizer_path, path, trust_remote_code)
+
+
+def _save_processor_files(source: str, path: str, trust_remote_code: bool) -> None:
+    """Save `source`'s processor into `path`: the whole processor where transformers can build it, else (Qwen-VL
+    processors need torchvision) its image processor and a copy of the processor's chat template files."""
+    processor = load_processor(source, trust_remote_code=trust_remote_code)
+    if processor is not None:
+        processor.save_pretrained(path)
+        return
+    load_image_processor(source, trust_remote_code).save_pretrained(path)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(path, name))

@@ -183,7 +183,7 @@ def config_from_hf(hf_config: Any) -> argparse.Namespace:
         raise ValueError("Llama with mlp_bias=True is not supported (Megatron biases are all-or-nothing)")
     if family == "glm4":
         flags.update(rotary_interleaved=True, post_self_attn_layernorm=True, post_mlp_layernorm=True)
-        flags.update(spec=["slime_plugins.models.glm4", "get_glm4_spec"])  # a layer spec with those norms
+        flags.update(spec=["slime.plugins.models.glm4", "get_glm_spec"])  # a layer spec with those norms
     if scaling is not None and scaling["rope_type"] == "llama3":
         flags.update(use_rope_scaling=True, rope_scaling_factor=scaling["factor"])
     elif scaling is not None and family != "deepseek_v3":

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from slime.algorithms.aggregation import StepNormalizer
+from slime.algorithms.importance import icepop_function as icepop_function  # upstream's path for it
 from slime.algorithms.logprobs import compute_entropy_from_logits, compute_log_probs
 from slime.algorithms.losses import Metrics, policy_loss_from_log_probs, sft_loss_from_log_probs
 from slime.utils.misc import load_function

@@ -4,6 +4,8 @@ The adapter is small (rank x (in + out) per targeted layer), so it goes by value
 not: training rank 0 posts it to every engine's `/load_lora_adapter_from_tensors` under `POLICY_ADAPTER` (after
 `/unload_lora_adapter` of the previous one), then sets the engines' weight version (`/update_weight_version`), the
 label rollouts record and staleness counts. The base weights the engines loaded at start never change.
+Under `--multi-lora-n-adapters` the tensors name their adapter (`slime.utils.lora.qualified_name`) and each adapter
+is replaced under its own name (`slime-policy-<k>`), all before the one version update.
 
 The tensors travel in the form the engine reads: to a colocated CPU engine through a shared-memory segment the
 trainer keeps (`stage_named_tensors`; the engine copies the adapter out, so the same segment serves every push);
@@ -21,16 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 from slime.backends.weight_sync.base import WeightTransport, call_engine
 from slime.utils.engine_args import CPU_ENGINE_CONTROL_MAX_BODY_BYTES
-from slime.utils.lora import POLICY_ADAPTER
+from slime.utils.lora import POLICY_ADAPTER, split_by_adapter
 from slime.utils.weight_sync import Bucket
 from slime.utils.weight_transport import SHARED_MEMORY_FORMAT, serialize_named_tensors, stage_named_tensors
 
-# The segment chunk index of the adapter: its own, beside those of full-weight pushes.
+# The segment chunk index of the (first) adapter: its own, beside those of full-weight pushes; adapter k takes -1 - k.
 _ADAPTER_CHUNK = -1
 
 
 class LoraAdapterTransport(WeightTransport):
-    """Rank 0 replaces the engines' `POLICY_ADAPTER` with the adapter's tensors (PEFT saved names).
+    """Rank 0 replaces the engines' `POLICY_ADAPTER` with the adapter's tensors (PEFT saved names), or each adapter
+    the tensors name under its own name.
 
     Args:
         config: The adapter's `adapter_config.json` contents (rank, alpha, target modules).
@@ -53,26 +56,27 @@ class LoraAdapterTransport(WeightTransport):
         tensors = [(name, tensor.cpu()) for bucket in buckets for name, tensor in bucket]  # every rank: a collective
         if self.rank != 0:
             return
-        if self.shared_memory:
-            payload, load_format = (
-                stage_named_tensors(tensors, _ADAPTER_CHUNK, tag=self.segment_tag),
-                SHARED_MEMORY_FORMAT,
-            )
-        else:
-            payload, load_format = self._payload(tensors), None
+        payloads = []  # (adapter, payload, load format)
+        for k, (adapter, named) in enumerate(split_by_adapter(tensors).items()):
+            if self.shared_memory:
+                staged = stage_named_tensors(named, _ADAPTER_CHUNK - k, tag=self.segment_tag)
+                payloads.append((adapter, staged, SHARED_MEMORY_FORMAT))
+            else:
+                payloads.append((adapter, self._payload(named), None))
 
         def replace(engine) -> None:
-            # Not loaded yet on a new (or restarted) engine: the unload is refused and the load goes on.
-            with contextlib.suppress(Exception):
-                call_engine(engine, "unload_lora_adapter", lora_name=self.adapter)
-            call_engine(
-                engine,
-                "load_lora_adapter_from_tensors",
-                lora_name=self.adapter,
-                config_dict=self.config,
-                serialized_tensors=payload,
-                load_format=load_format,
-            )
+            for adapter, payload, load_format in payloads:
+                # Not loaded yet on a new (or restarted) engine: the unload is refused and the load goes on.
+                with contextlib.suppress(Exception):
+                    call_engine(engine, "unload_lora_adapter", lora_name=adapter)
+                call_engine(
+                    engine,
+                    "load_lora_adapter_from_tensors",
+                    lora_name=adapter,
+                    config_dict=self.config,
+                    serialized_tensors=payload,
+                    load_format=load_format,
+                )
             call_engine(engine, "update_weight_version", new_version=version)
 
         with ThreadPoolExecutor(max_workers=max(len(self.engines), 1)) as pool:

@@ -4,6 +4,6 @@ Pass one with `--dynamic-sampling-filter-path slime.rollout.filter_hub.dynamic_s
 usually together with `--over-sampling-batch-size` so that dropped groups are replaced.
 """
 
-from .base_types import DynamicFilterOutput
+from .base_types import DynamicFilterOutput, MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
 
-__all__ = ["DynamicFilterOutput"]
+__all__ = ["DynamicFilterOutput", "MetricGatherer", "call_dynamic_filter", "should_drop_dynamic_filter_output"]

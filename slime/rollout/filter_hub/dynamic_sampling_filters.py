@@ -38,6 +38,15 @@ def check_reward_nonzero_std(args, samples: list[Sample], **kwargs) -> DynamicFi
     return DynamicFilterOutput(keep=False, reason=f"all {len(rewards)} rewards equal {rewards[0]}")
 
 
+def check_reward_nonzero_std_with_fallback(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
+    """`check_reward_nonzero_std`, but a group it drops is kept when the batch could not be filled without it
+    (`keep_when_insufficient`): prefers groups with a reward spread without drawing another round of prompts."""
+    output = check_reward_nonzero_std(args, samples, **kwargs)
+    # Only a scored group may stand in; an empty or unscored one is never trained on.
+    output.keep_when_insufficient = not isinstance(_rewards(args, samples), DynamicFilterOutput)
+    return output
+
+
 def check_reward_not_all_zero(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
     """Drop the group when every reward is 0 (no response earned anything)."""
     rewards = _rewards(args, samples)

@@ -9,6 +9,9 @@ The rule-based types are graded in worker processes (`reward_workers`) under `--
 pathological answer costs at most that and never blocks the event loop; it scores as a wrong answer and is
 counted in `pop_reward_metrics()["reward/timeouts"]`.
 
+`grade_answer_verl` (upstream's math grader, from `math_utils`) is importable from here, as upstream's plugins
+import it; `math_dapo_utils.compute_score` is upstream's DAPO grader.
+
 `async_rm` / `batched_async_rm` are also called from user reward functions with namespaces they build, so every
 field is read with a default.
 """
@@ -31,7 +34,7 @@ from .f1 import f1_score
 from .gpqa import compute_gpqa_reward
 from .last_number import compute_last_number_reward
 from .math_rm import compute_math_reward
-from .math_utils import extract_boxed_answer
+from .math_utils import extract_boxed_answer, grade_answer_verl
 from .remote_rm import remote_rm
 from .reward_workers import (
     DEFAULT_NUM_WORKERS,
@@ -52,6 +55,7 @@ __all__ = [
     "RewardFunctionError",
     "async_rm",
     "batched_async_rm",
+    "grade_answer_verl",
     "pop_reward_metrics",
     "resolve_rm_type",
     "start_reward_workers",
@@ -141,7 +145,8 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
 
     Args:
         args: Reads `custom_rm_path` and `rm_type` (plus `rm_url` etc. for remote_rm).
-        sample: The sample with its `response` and `label`.
+        sample: The sample with its `response` and `label`; its own `custom_rm_path` (upstream's per-sample
+            reward) takes the place of `--custom-rm-path`.
         **kwargs: Passed on to a custom reward function.
 
     The built-in rule-based types are graded in a worker process (`args.rm_num_workers`, default 1), each answer
@@ -155,7 +160,7 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
         ValueError: no reward configured, or an unknown reward type.
         RewardFunctionError: the reward function raised (even SystemExit); the original error is its `__cause__`.
     """
-    custom_rm_path = getattr(args, "custom_rm_path", None)
+    custom_rm_path = sample.custom_rm_path or getattr(args, "custom_rm_path", None)
     if custom_rm_path:
         rm_function = load_function(custom_rm_path)
         rm_name = f"custom reward function {custom_rm_path!r}"
@@ -195,13 +200,26 @@ async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list[float 
 
     Returns:
         One reward per sample.
+
+    Raises:
+        ValueError: under `group_rm` with a group function, a sample names another reward (its `custom_rm_path`),
+            which the group function would silently take the place of.
     """
     custom_rm_path = getattr(args, "custom_rm_path", None)
     if not (getattr(args, "group_rm", False) and custom_rm_path):
         return list(await asyncio.gather(*(async_rm(args, sample, **kwargs) for sample in samples)))
 
-    rm_function = load_function(custom_rm_path)
     indices = [sample.index for sample in samples]
+    others = {s.custom_rm_path for s in samples if s.custom_rm_path and s.custom_rm_path != custom_rm_path}
+    if others:
+        named = [s.index for s in samples if s.custom_rm_path in others]
+        raise ValueError(
+            f"--group-rm scores each group with --custom-rm-path {custom_rm_path!r}, but the samples with index "
+            f"{named} name their own reward (custom_rm_path {sorted(others)}), which a group reward cannot honour: "
+            "drop the samples' custom_rm_path, or drop --group-rm (or --custom-rm-path) to score each sample alone, "
+            "by its own reward"
+        )
+    rm_function = load_function(custom_rm_path)
     try:
         rewards = await maybe_await(rm_function(args, samples, **kwargs))
     except asyncio.CancelledError:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .math_rm import reference_answer
-from .math_utils import extract_boxed_answer, is_equiv
+from .math_utils import extract_boxed_answer, is_equiv, reference_answer
 
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
 

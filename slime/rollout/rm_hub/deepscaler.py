@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from .math_rm import reference_answer
-from .math_utils import extract_boxed_answer, is_equiv
+from .math_utils import extract_boxed_answer, is_equiv, reference_answer
 
 _END_OF_REASONING_MARKERS = ("</think>", "###Response")
 

@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-from .math_utils import extract_boxed_answer, is_equiv
-
-
-def reference_answer(label) -> str:
-    """The label as an answer string; a label that is itself a boxed solution gives its boxed content."""
-    label = str(label)
-    if "\\boxed" in label or "\\fbox" in label:
-        return extract_boxed_answer(label) or label
-    return label
+from .math_utils import grade_answer_verl
 
 
 def compute_math_reward(response: str, label) -> float:
@@ -21,6 +13,6 @@ def compute_math_reward(response: str, label) -> float:
         label: Ground truth, e.g. `"\\frac{1}{2}"`, `"0.5"`, `7`, or a solution ending in `\\boxed{...}`.
 
     Returns:
-        1.0 or 0.0 (0.0 when nothing is boxed).
+        1.0 or 0.0 (0.0 when nothing is boxed or the label is empty).
     """
-    return 1.0 if is_equiv(extract_boxed_answer(response), reference_answer(label)) else 0.0
+    return 1.0 if grade_answer_verl(response, label) else 0.0

@@ -5,6 +5,8 @@ Three steps, each usable on its own:
 2. `normalize_final_answer`: strip the LaTeX dressing and units that do not change the value.
 3. `is_equiv`: string match, then exact number match, then math-verify (sympy) for expressions.
 
+Upstream slime's names for the same steps: `extract_answer` (1) and `grade_answer_verl` (1 then 3).
+
 `is_equiv` is only bounded by its guards and, on the main thread, math-verify's alarm; the rollout grades
 in `reward_workers`, whose processes are killed past `--rm-timeout-secs`.
 """
@@ -301,3 +303,32 @@ def is_equiv(prediction: str | None, reference: str | None) -> bool:
     if first_number is not None and second_number is not None:
         return first_number == second_number
     return _symbolic_equal(str(prediction).strip(), str(reference).strip())
+
+
+def extract_answer(passage: str) -> str | None:
+    """Upstream's name for `extract_boxed_answer`: the content of the last box in `passage`, or None."""
+    return extract_boxed_answer(passage)
+
+
+def reference_answer(label) -> str:
+    """The label as an answer string; a label that is itself a boxed solution gives its boxed content."""
+    label = str(label)
+    if "\\boxed" in label or "\\fbox" in label:
+        return extract_boxed_answer(label) or label
+    return label
+
+
+def grade_answer_verl(solution_str: str, ground_truth) -> bool:
+    """Whether the last boxed answer of `solution_str` is equivalent to `ground_truth` (upstream's math grader).
+
+    Args:
+        solution_str: A model response with a boxed final answer.
+        ground_truth: The answer (`"\\frac{1}{2}"`, `0.5`, `7`) or a solution whose last box holds it.
+
+    Returns:
+        False when nothing is boxed, the ground truth is None or empty, or the answers differ.
+    """
+    # Unlike upstream's `not ground_truth`, a label of 0 is still an answer.
+    if ground_truth is None or str(ground_truth).strip() == "":
+        return False
+    return is_equiv(extract_boxed_answer(solution_str), reference_answer(ground_truth))

@@ -98,6 +98,19 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
         "test_megatron_lora_actor.py::test_checkpoint_resumes_exactly_and_holds_a_peft_folder",
     ),
     "lora_train_only": ("test_lora_run.py::test_lora_train_only_trains_the_adapter_while_the_engines_keep_the_base",),
+    "multi_lora_n_adapters": (
+        "test_fsdp_lora.py::test_multi_lora_trains_each_adapter_on_its_own_samples_as_peft_would",
+        "test_lora_run.py::test_multi_lora_trains_two_adapters_on_their_own_prompts_and_rewards",
+        "test_lora_flags.py::test_what_multi_lora_cannot_do_is_refused",
+    ),
+    "multi_lora_prompt_data": (
+        "test_lora_run.py::test_multi_lora_trains_two_adapters_on_their_own_prompts_and_rewards",
+        "test_lora_flags.py::test_multi_lora_data_source_keeps_one_stream_per_adapter_across_a_resume",
+    ),
+    "multi_lora_rm_path": (
+        "test_lora_run.py::test_multi_lora_trains_two_adapters_on_their_own_prompts_and_rewards",
+        "test_lora_flags.py::test_what_multi_lora_cannot_do_is_refused",
+    ),
     "check_lora_weight_equal": (
         "test_fsdp_lora.py::test_pushes_send_only_the_adapter_which_the_engine_serves",
         "test_megatron_lora_actor.py::test_pushed_adapter_is_what_the_engine_serves",
@@ -126,6 +139,10 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     "global_batch_size": (
         "test_train_data.py::test_split_round_robin_keeps_each_step_together",
         "test_train_data.py::test_split_rejects_indivisible_batches",
+    ),
+    "use_dynamic_global_batch_size": (
+        "test_train_data.py::test_dynamic_global_batch_size_trains_what_the_rollout_returned_in_one_step",
+        "test_upstream_plugins.py::test_train_py_runs_current_upstream_examples_routed_per_sample",
     ),
     "num_steps_per_rollout": ("test_arguments.py::test_inconsistent_batch_sizes_name_flags_and_numbers",),
     "micro_batch_size": ("test_flag_effects_with_actors.py::test_micro_batch_flags_split_each_step",),
@@ -253,6 +270,15 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     "tool_key": ("test_flag_effects.py::test_metadata_and_tool_keys_name_the_record_fields",),
     "apply_chat_template": ("test_data.py::test_chat_template_matches_tokenizer",),
     "apply_chat_template_kwargs": ("test_data.py::test_tools_and_template_kwargs_reach_the_template",),
+    "multimodal_keys": (
+        "test_multimodal_data.py::test_every_image_form_is_read_with_its_pixels",
+        "test_multimodal_data.py::test_multimodal_flags_are_checked_at_parse_time",
+        "test_vlm_run.py::test_train_py_trains_a_vision_language_model",
+    ),
+    "train_vision_tower": (
+        "test_fsdp_vlm.py::test_trained_vision_tower_reaches_the_engine",
+        "test_multimodal_data.py::test_multimodal_flags_are_checked_at_parse_time",
+    ),
     "rollout_shuffle": ("test_data_source.py::test_epochs_reshuffle_deterministically",),
     "rollout_seed": ("test_data_source.py::test_epochs_reshuffle_deterministically",),
     "rollout_global_dataset": ("test_arguments.py::test_required_inputs_are_named",),

@@ -7,6 +7,7 @@ import json
 import os
 
 from slime.utils.arguments.errors import _fail
+from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.utils.lora import ADAPTER_CONFIG_FILE, ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from slime.utils.moe_routing import routing_shape
 
@@ -63,8 +64,37 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         "--multi-lora-n-adapters",
         type=int,
         default=1,
-        help="Train this many adapters on one base, each with its own data and optimizer.",
+        help="Train this many LoRA adapters on one base in one job (with --lora-rank; FSDP): adapter k has its own "
+        "prompts (--multi-lora-prompt-data), reward (--multi-lora-rm-path) and optimizer, the engines serve all of "
+        "them at once as slime-policy-0 .. slime-policy-{K-1}, and metrics come per adapter "
+        "(rollout/adapter_<k>/..., train/adapter_<k>/...). Each step every adapter draws --rollout-batch-size "
+        "prompts and takes --num-steps-per-rollout optimizer steps of --global-batch-size samples.",
     )
+    group.add_argument(
+        "--multi-lora-prompt-data",
+        nargs="+",
+        default=None,
+        action=_AdapterPromptFiles,
+        help="One prompt file per adapter (.jsonl or .parquet, read with --input-key, --label-key etc.), in adapter "
+        "order; takes the place of --prompt-data under --multi-lora-n-adapters.",
+    )
+    group.add_argument(
+        "--multi-lora-rm-path",
+        nargs="+",
+        default=None,
+        help="One reward function per adapter (dotted paths, the signature of --custom-rm-path), in adapter order; "
+        "default: the run's reward (--rm-type / --custom-rm-path) for every adapter.",
+    )
+
+
+class _AdapterPromptFiles(argparse.Action):
+    """`--multi-lora-prompt-data` also stands in for `--prompt-data`, which the data checks ask of every run; the LoRA
+    checks refuse a different `--prompt-data` beside it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        if getattr(namespace, "prompt_data", None) is None:
+            namespace.prompt_data = values[0]
 
 
 def _validate_lora(args: argparse.Namespace) -> None:
@@ -81,6 +111,21 @@ def _validate_lora(args: argparse.Namespace) -> None:
         )
         if given
     ]
+    count = args.multi_lora_n_adapters
+    multi_flags_given = [
+        flag
+        for flag, given in (
+            ("--multi-lora-prompt-data", args.multi_lora_prompt_data is not None),
+            ("--multi-lora-rm-path", args.multi_lora_rm_path is not None),
+        )
+        if given
+    ]
+    if count < 1:
+        _fail(f"--multi-lora-n-adapters is a number of adapters, at least 1 (got {count}).")
+    if count == 1 and multi_flags_given:
+        _fail(f"{', '.join(multi_flags_given)} configure several adapters; add --multi-lora-n-adapters K or drop them.")
+    if count > 1:
+        lora_flags_given.append(f"--multi-lora-n-adapters {count}")
     if args.lora_rank == 0:
         if lora_flags_given:
             _fail(f"{', '.join(lora_flags_given)} configure a LoRA adapter; add --lora-rank R (e.g. 16) or drop them.")
@@ -128,8 +173,94 @@ def _validate_lora(args: argparse.Namespace) -> None:
             "--lora-rank pushes the adapter in the request body (it is small); --update-weight-transport disk is not "
             "used for adapters yet: drop it."
         )
+    if count > 1:
+        _validate_multi_lora(args)
     if args.train_backend == "megatron":
         _validate_megatron_lora(args)
+
+
+def _validate_multi_lora(args: argparse.Namespace) -> None:
+    """`--multi-lora-n-adapters K` (K >= 2): one prompt file (and reward, when given) per adapter, and refused what
+    would train or serve only one adapter, or none."""
+    count = args.multi_lora_n_adapters
+    files = args.multi_lora_prompt_data
+    if files is None:
+        _fail(f"--multi-lora-n-adapters {count} needs each adapter's prompts: --multi-lora-prompt-data P1 .. P{count}.")
+    for flag, values in (("--multi-lora-prompt-data", files), ("--multi-lora-rm-path", args.multi_lora_rm_path)):
+        if values is not None and len(values) != count:
+            what = "file" if flag.endswith("data") else "reward path"
+            _fail(
+                f"{flag} got {len(values)} {what}{'s' if len(values) != 1 else ''} ({' '.join(values)}) for "
+                f"--multi-lora-n-adapters {count}: give one per adapter, in adapter order."
+            )
+    if args.prompt_data != files[0]:
+        _fail(
+            f"--prompt-data {args.prompt_data} beside --multi-lora-prompt-data: each adapter reads its own file of "
+            "--multi-lora-prompt-data; drop --prompt-data."
+        )
+    instead = "train one adapter per job (drop --multi-lora-n-adapters)"
+    refused = [
+        (args.train_backend == "megatron", "--train-backend megatron", "use --train-backend fsdp, or " + instead),
+        (args.lora_train_only, "--lora-train-only", "drop --lora-train-only (the engines serve every adapter)"),
+        (
+            args.lora_adapter_path is not None,
+            "--lora-adapter-path",
+            "start from new adapters (drop --lora-adapter-path), or " + instead,
+        ),
+        (
+            args.eval_prompt_data or args.eval_config,
+            "eval datasets (--eval-prompt-data / --eval-config)",
+            "drop them; the per-adapter rollout/adapter_<k>/reward figures track each adapter",
+        ),
+        (
+            args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION_PATH,
+            f"--rollout-function-path {args.rollout_function_path} (and with it the fully async rollout)",
+            "use the default rollout (it runs once per adapter, on that adapter's prompts), or " + instead,
+        ),
+        (
+            args.data_source_path != DEFAULT_DATA_SOURCE_PATH or not args.rollout_global_dataset,
+            "--data-source-path / --disable-rollout-global-dataset",
+            "give each adapter's prompts with --multi-lora-prompt-data",
+        ),
+        (
+            args.custom_convert_samples_to_train_data_path,
+            "--custom-convert-samples-to-train-data-path",
+            "drop it (the trainer needs each sample's adapter from the default conversion), or " + instead,
+        ),
+        (args.agent_function_path, "--agent-function-path", "use --custom-generate-function-path, or " + instead),
+        (
+            args.save_hf,
+            "--save-hf",
+            "drop it; each checkpoint holds every adapter as a PEFT folder, <--save>/iter_XXXXXXX/adapter/"
+            "slime-policy-<k>",
+        ),
+        (
+            args.check_lora_weight_equal or args.check_weight_update_equal,
+            "--check-lora-weight-equal / --check-weight-update-equal",
+            "drop it, or " + instead,
+        ),
+        (args.debug_train_only, "--debug-train-only", "drop it, or " + instead),
+        (
+            args.use_dynamic_global_batch_size,
+            "--use-dynamic-global-batch-size",
+            "drop it (each adapter trains its own global batches of --global-batch-size), or " + instead,
+        ),
+    ]
+    for given, what, fix in refused:
+        if given:
+            _fail(f"--multi-lora-n-adapters {count} does not support {what}: {fix}.")
+    per_batch = _engine_option(args, "max_loras_per_batch")
+    if per_batch is not None and int(per_batch) < count:
+        _fail(
+            f"--sglang-max-loras-per-batch {per_batch} is below --multi-lora-n-adapters {count}: the engines must "
+            f"hold every adapter in one batch; raise it to {count} or drop it."
+        )
+
+
+def _engine_option(args: argparse.Namespace, name: str):
+    """A forwarded `--sglang-<name>` value as the user gave it (None when not given)."""
+    options = getattr(args, "sglang_server_args", None) or {}
+    return options.get(name, options.get(name.replace("_", "-")))
 
 
 def _validate_megatron_lora(args: argparse.Namespace) -> None:

@@ -86,10 +86,6 @@ REFUSED_FLAGS: dict[str, Refusal] = {
         backends=("megatron",),
     ),
     "only_train_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
-    "multi_lora_n_adapters": Refusal(
-        "training several adapters in one job is not implemented yet",
-        "drop it; run one job per adapter (each with its own --lora-rank)",
-    ),
     "freeze_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
     "recompute_loss_function": Refusal(
         "recomputing the loss in backward is not implemented",
@@ -148,7 +144,6 @@ REFUSED_FLAGS: dict[str, Refusal] = {
     "opd_teacher_load": _NO_TRAINER_TEACHER,
     "opd_teacher_ckpt_step": _NO_TRAINER_TEACHER,
     # data, eval, buffer
-    "multimodal_keys": Refusal("multimodal prompts are not supported yet", "drop it; prompts are text or messages"),
     "balance_by_flops": Refusal(
         "FLOP-balanced partitioning is not implemented", "use --balance-data (token-balanced data-parallel ranks)"
     ),

@@ -3,11 +3,63 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
+from slime.utils.arguments.errors import _fail
 from slime.utils.arguments.flag_values import _json_object, _NamePathPairs
 
 DEFAULT_ROLLOUT_FUNCTION_PATH = "slime.rollout.sglang_rollout.generate_rollout"
 DEFAULT_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
+# The modalities --multimodal-keys takes: the engines and the trainer handle images.
+MULTIMODAL_TYPES = ("image",)
+
+
+def _multimodal_keys(text: str) -> dict[str, str]:
+    """argparse `type=` for --multimodal-keys: a JSON object from modality ("image") to a record field name."""
+    value = _json_object(text)
+    unknown = sorted(set(value) - set(MULTIMODAL_TYPES))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unsupported modality {', '.join(map(repr, unknown))}; supported: {', '.join(MULTIMODAL_TYPES)} "
+            '(write e.g. \'{"image": "images"}\')'
+        )
+    if not value or not all(isinstance(field, str) and field for field in value.values()):
+        raise argparse.ArgumentTypeError(
+            f'expected a record field name per modality, e.g. \'{{"image": "images"}}\', got {text!r}'
+        )
+    return value
+
+
+def is_vision_language_checkpoint(path: str | None) -> bool:
+    """Whether the HF folder's config.json describes a vision-language model (it has a `vision_config`)."""
+    config = os.path.join(path or "", "config.json")
+    if not path or not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return "vision_config" in json.load(f)
+
+
+def _validate_multimodal(args: argparse.Namespace) -> None:
+    """--multimodal-keys / --train-vision-tower against the checkpoint and the training backend."""
+    vision_language = is_vision_language_checkpoint(args.hf_checkpoint)
+    if args.train_backend == "megatron" and (vision_language or args.multimodal_keys):
+        why = "--multimodal-keys" if args.multimodal_keys else f"--hf-checkpoint {args.hf_checkpoint}"
+        _fail(
+            f"{why}: vision-language models train with --train-backend fsdp only; the Megatron backend builds "
+            "text-only GPT models (no vision tower, no M-RoPE positions). Pass --train-backend fsdp."
+        )
+    if args.multimodal_keys and args.hf_checkpoint and not vision_language:
+        _fail(
+            f"--multimodal-keys needs a vision-language model, but --hf-checkpoint {args.hf_checkpoint} has no "
+            "vision_config in its config.json; point it at a vision-language checkpoint (Qwen2.5-VL, Qwen3-VL) or "
+            "drop --multimodal-keys."
+        )
+    if args.train_vision_tower and not vision_language:
+        _fail(
+            f"--train-vision-tower: --hf-checkpoint {args.hf_checkpoint} has no vision tower (no vision_config in "
+            "its config.json); drop the flag."
+        )
 
 
 def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,9 +212,19 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-key", default="tools", help="Field holding tool definitions for the chat template.")
     group.add_argument(
         "--multimodal-keys",
-        type=_json_object,
+        type=_multimodal_keys,
         default=None,
-        help='Multimodal fields as JSON, e.g. \'{"image": "images"}\'.',
+        metavar="JSON",
+        help="Vision-language prompts: JSON mapping a modality to the record field holding its items, e.g. "
+        '\'{"image": "images"}\' (images only). Each "<image>" in the prompt text takes the next image; without '
+        "one, the images go before the text. Items: paths (relative to the data file or absolute), base64, data "
+        "URLs, or Parquet image bytes. Needs a vision-language --hf-checkpoint and --train-backend fsdp.",
+    )
+    group.add_argument(
+        "--train-vision-tower",
+        action="store_true",
+        help="Vision-language models: train the vision tower (and its merger) too. Off: it stays frozen and only "
+        "the language model trains.",
     )
     group.add_argument("--apply-chat-template", action="store_true", help="Render prompts with the chat template.")
     group.add_argument(
@@ -184,6 +246,13 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Optimizer steps per rollout (default: derived from --global-batch-size, else 1).",
+    )
+    group.add_argument(
+        "--use-dynamic-global-batch-size",
+        action="store_true",
+        help="Train each rollout in one optimizer step over however many samples it returned (rounded down to a "
+        "multiple of the data-parallel size; the rest are dropped and counted): for generate functions that return "
+        "several samples per prompt, or none.",
     )
     group.add_argument("--balance-data", action="store_true", help="Balance tokens across data-parallel ranks.")
     group.add_argument("--balance-by-flops", action="store_true", help="Balance by estimated FLOPs, not tokens.")

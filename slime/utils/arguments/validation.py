@@ -19,7 +19,11 @@ from slime.utils.arguments.algorithm import _estimator
 from slime.utils.arguments.checkpoint import _validate_output_folders
 from slime.utils.arguments.errors import _fail
 from slime.utils.arguments.lora import _validate_lora
-from slime.utils.arguments.rollout import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
+from slime.utils.arguments.rollout import (
+    DEFAULT_DATA_SOURCE_PATH,
+    DEFAULT_ROLLOUT_FUNCTION_PATH,
+    _validate_multimodal,
+)
 from slime.utils.device import cuda_available
 from slime.utils.engine_args import engine_api_key
 from slime.utils.eval_config import load_eval_config
@@ -45,6 +49,14 @@ def _validate_batch_sizes(args: argparse.Namespace) -> None:
         f"= {samples} samples per rollout"
     )
     gbs, steps = args.global_batch_size, args.num_steps_per_rollout
+    if args.use_dynamic_global_batch_size:
+        # One optimizer step per rollout over what it returned: the LR schedule and step counter count one too.
+        if gbs not in (None, samples) or steps not in (None, 1):
+            _fail(
+                f"--use-dynamic-global-batch-size trains each rollout in one step of its own size ({identity}); "
+                f"drop --global-batch-size ({gbs}) and --num-steps-per-rollout ({steps})."
+            )
+        gbs, steps = samples, 1
     if gbs is None:
         steps = 1 if steps is None else steps
         if steps < 1 or samples % steps:
@@ -394,6 +406,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_routing_replay(args)
     _validate_fully_async(args)
     _validate_lora(args)
+    _validate_multimodal(args)
     return args
 
 

@@ -12,7 +12,8 @@ stays megatron-core's own. The norms are named as in HF (`decoder.layers.N.post_
 which is what the glm4 weight mapping expects. Partial interleaved rotary, QKV bias and SwiGLU are
 plain TransformerConfig settings (--rotary-percent 0.5 --rotary-interleaved --add-qkv-bias --swiglu).
 
-Use with Megatron flags: `--spec slime_plugins.models.glm4 get_glm4_spec`.
+Use with Megatron flags: `--spec slime.plugins.models.glm4 get_glm_spec` (upstream's `--spec
+slime_plugins.models.glm4 get_glm_spec` loads it too).
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ def glm4_layer_spec(layer_spec: ModuleSpec, norm: ModuleSpec | type) -> ModuleSp
     return replace(layer_spec, module=Glm4TransformerLayer, submodules=submodules)
 
 
-def get_glm4_spec(args: argparse.Namespace, config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+def get_glm_spec(args: argparse.Namespace, config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
     """The decoder block spec of GLM-4 for this pipeline stage: megatron-core's GPT block with GLM-4 layers.
 
-    Called by slime's model builder for `--spec slime_plugins.models.glm4 get_glm4_spec`.
+    Called by slime's model builder for `--spec slime.plugins.models.glm4 get_glm_spec` (upstream's name).
 
     Args:
         args: Megatron flags (`--transformer-impl local` forces the local, non-TE modules).
@@ -113,7 +114,7 @@ def get_glm4_spec(args: argparse.Namespace, config, vp_stage: int | None = None)
 
     if config.num_moe_experts:
         raise ValueError(
-            "get_glm4_spec builds dense GLM-4 layers, but --num-experts is set; GLM-4 MoE models (GLM-4.5) "
+            "get_glm_spec builds dense GLM-4 layers, but --num-experts is set; GLM-4 MoE models (GLM-4.5) "
             "have no post-attention/post-MLP norms: drop --spec for them."
         )
     block = get_gpt_decoder_block_spec(
