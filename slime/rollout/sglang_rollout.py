@@ -259,38 +259,8 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any], evalua
     """
     params = prepare_generate(args, sample, sampling_params, evaluation)
     if params is not None:
-        state = get_state(args)
-        generated_from = sample.response_length
-        await generate_into_sample(args, sample, params, state.context)
-        if state.vision is not None:
-            end_before_generated_image_token(sample, generated_from, state.vision.image_token_id, state.tokenizer)
+        await generate_into_sample(args, sample, params, get_state(args).context)
     return sample
-
-
-def end_before_generated_image_token(sample: Sample, generated_from: int, image_token_id: int, tokenizer) -> None:
-    """Cut the response before the first image placeholder the model generated itself (past `generated_from`).
-
-    A vision-language model's forward reads every placeholder token as a slot for an image's features, so a
-    generated one (rare in a trained model, common in a random one) has no image to fill it and cannot be trained
-    on. What came before it keeps its log-probs exactly (later tokens never change earlier ones); the sample ends
-    TRUNCATED.
-    """
-    response_start = len(sample.tokens) - sample.response_length
-    generated = sample.tokens[response_start + generated_from :]
-    if image_token_id not in generated:
-        return
-    keep = generated_from + generated.index(image_token_id)
-    sample.tokens = sample.tokens[: response_start + keep]
-    sample.response_length = keep
-    sample.loss_mask = sample.loss_mask[:keep] if sample.loss_mask is not None else None
-    sample.rollout_log_probs = sample.rollout_log_probs[:keep] if sample.rollout_log_probs is not None else None
-    if sample.rollout_top_p_token_offsets is not None:
-        sample.rollout_top_p_token_offsets = sample.rollout_top_p_token_offsets[: keep + 1]
-        sample.rollout_top_p_token_ids = sample.rollout_top_p_token_ids[: sample.rollout_top_p_token_offsets[-1]]
-    if sample.rollout_routed_experts is not None:  # one row per token but the last
-        sample.rollout_routed_experts = sample.rollout_routed_experts[: len(sample.tokens) - 1]
-    sample.response = tokenizer.decode(sample.tokens[response_start:])
-    sample.status = Status.TRUNCATED
 
 
 def generate_function_name(args, sample: Sample) -> str:

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from slime.utils.engine_args import engine_api_key, engine_failover_window
 from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_headers
 from slime.utils.lora import rollout_adapter
-from slime.utils.misc import load_pretrained
+from slime.utils.misc import load_pretrained, load_tokenizer
 from slime.utils.moe_routing import decode_routed_experts, routing_shape
 from slime.utils.processing_utils import encode_image_for_rollout_engine
 from slime.utils.run_context import RunContext, engine_urls, router_url
@@ -92,12 +92,54 @@ async def generate_into_sample(
     token_logprobs = meta.get("output_token_logprobs") or []
     new_tokens = [token_id for _, token_id, _ in token_logprobs] or output.get("output_ids", [])
     log_probs = [log_prob for log_prob, _, _ in token_logprobs] or None
+    generated_from, response_before = sample.response_length, sample.response
     sample.append_response(new_tokens, output["text"], log_probs)
     sample.weight_versions.append(str(meta.get("weight_version", "")))
     sample.status = Status.from_finish_reason(meta["finish_reason"]["type"])
     if replay:
         sample.rollout_routed_experts = _routed_experts(args, meta, len(sample.tokens))
+    checkpoint, trust = getattr(args, "hf_checkpoint", None), getattr(args, "trust_remote_code", False)
+    image_token = _image_token_id(checkpoint, trust) if checkpoint else None
+    if image_token is not None and image_token in new_tokens:
+        tokenizer = load_tokenizer(checkpoint, trust)
+        end_before_generated_image_token(sample, generated_from, image_token, tokenizer, response_before)
+        return sample.response[len(response_before) :]
     return output["text"]
+
+
+@functools.lru_cache(maxsize=4)
+def _image_token_id(hf_checkpoint: str, trust_remote_code: bool) -> int | None:
+    """A vision-language model's image placeholder token (`config.image_token_id`); None for a text model."""
+    config = load_pretrained(AutoConfig, hf_checkpoint, trust_remote_code)
+    return getattr(config, "image_token_id", None) if getattr(config, "vision_config", None) is not None else None
+
+
+def end_before_generated_image_token(
+    sample: Sample, generated_from: int, image_token_id: int, tokenizer, response_before: str = ""
+) -> None:
+    """Cut the response before the first image placeholder the model generated itself (past `generated_from`).
+
+    A vision-language model's forward reads every placeholder token as a slot for an image's features, so a
+    generated one (rare in a trained model, common in a random one) has no image to fill it and cannot be trained
+    on. What came before it keeps its log-probs exactly (later tokens never change earlier ones); the sample ends
+    TRUNCATED, its `response` being `response_before` (the text before `generated_from`) and the kept tokens' text.
+    """
+    response_start = len(sample.tokens) - sample.response_length
+    generated = sample.tokens[response_start + generated_from :]
+    if image_token_id not in generated:
+        return
+    keep = generated_from + generated.index(image_token_id)
+    sample.tokens = sample.tokens[: response_start + keep]
+    sample.response_length = keep
+    sample.loss_mask = sample.loss_mask[:keep] if sample.loss_mask is not None else None
+    sample.rollout_log_probs = sample.rollout_log_probs[:keep] if sample.rollout_log_probs is not None else None
+    if sample.rollout_top_p_token_offsets is not None:
+        sample.rollout_top_p_token_offsets = sample.rollout_top_p_token_offsets[: keep + 1]
+        sample.rollout_top_p_token_ids = sample.rollout_top_p_token_ids[: sample.rollout_top_p_token_offsets[-1]]
+    if sample.rollout_routed_experts is not None:  # one row per token but the last
+        sample.rollout_routed_experts = sample.rollout_routed_experts[: len(sample.tokens) - 1]
+    sample.response = response_before + tokenizer.decode(sample.tokens[response_start + generated_from :])
+    sample.status = Status.TRUNCATED
 
 
 async def _post_to_an_engine(

@@ -369,7 +369,8 @@ def test_push_aborts_requests_which_continue_as_partial_rollouts(tiny_model_dir,
     rollout = loop_args.fully_async(args, source)
     rollout(args, 0, source)
     worker = rollout.worker
-    wait_for(lambda: client.get_server_info()["internal_states"][0]["num_running_reqs"] > 0)
+    # A request with tokens of the old weights when the push comes (under load, one may still be in prefill).
+    wait_for(lambda: client.get_server_info()["internal_states"][0]["num_generated_tokens_in_flight"] > 0)
     push(client, new_weights_dir, 2, loop_args)
     groups, aborted = [], 0.0
     for rollout_id in (1, 2):

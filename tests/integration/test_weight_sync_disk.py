@@ -186,7 +186,7 @@ def test_unwritable_disk_dir_is_a_clear_error(tiny_model_dir, engine, tmp_path):
 
 
 @pytest.mark.reliability(
-    "disk sync without --update-weight-disk-dir or with --colocate, disk flags without disk sync, delta sync, and "
+    "disk sync without --update-weight-disk-dir or with --colocate, disk flags without disk sync, and "
     "--rollout-external-engine-addrs that is not host:port or comes with --colocate, --use-fault-tolerance, "
     "--offload-rollout or --rollout-num-gpus",
     "refused at parse time, naming the flags and the fix",
@@ -201,7 +201,6 @@ def test_bad_weight_sync_and_external_engine_flags_are_refused(tiny_model_dir, t
         "--update-weight-transport disk does not apply with --colocate": [*disk, "--colocate"],
         "--update-weight-disk-dir, --update-weight-disk-keep-files only take effect with --update-weight-transport "
         "disk": ["--update-weight-disk-dir", str(tmp_path), "--update-weight-disk-keep-files"],
-        "delta weight sync is not implemented": [*disk, "--update-weight-mode", "delta"],
         "--rollout-external-engine-addrs 'localhost' is not host:port": [
             "--rollout-external-engine-addrs",
             "localhost",

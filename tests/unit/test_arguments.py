@@ -558,8 +558,10 @@ def test_dynamic_batch_size_needs_token_budget():
     assert args.log_probs_max_tokens_per_gpu == 4096
 
 
-def test_delta_weight_sync_is_refused():
-    with pytest.raises(ArgumentValidationError, match="delta weight sync is not implemented"):
+def test_delta_weight_sync_needs_the_disk_transport():
+    with pytest.raises(
+        ArgumentValidationError, match="--update-weight-mode delta needs --update-weight-transport disk"
+    ):
         parse_args(BASE + ["--update-weight-mode", "delta"])
 
 

@@ -204,9 +204,6 @@ def test_tables_name_registered_flags_and_say_why():
     ("extra", "reason"),
     [
         (["--opd-type", "megatron", "--use-opd"], "a teacher loaded in the trainer"),
-        (["--update-weight-local-checkpoint-dir", "/x"], "delta weight sync"),
-        (["--update-weight-mode", "delta"], "delta weight sync is not implemented"),
-        (["--update-weight-delta-checksum", "md5"], "delta weight sync"),
         (["--async-save"], "checkpoints are written synchronously"),
         (["--rollout-buffer-url", "http://127.0.0.1:8889"], "trajectory-buffer plugin"),
         (["--recompute-method", "block", "--recompute-granularity", "full"], "block recompute"),

@@ -385,7 +385,7 @@ def test_eval_rollout_and_get_model_url(rollout_args):
 
 def test_a_generated_image_placeholder_ends_the_response_before_it():
     # A VLM's forward reads every placeholder as an image slot: one the model generated cannot be trained on.
-    from slime.rollout.sglang_rollout import end_before_generated_image_token
+    from slime.utils.router_generate import end_before_generated_image_token
 
     image = 7
     prompt = [1, image, image, 2]  # the prompt's own image stays
@@ -397,8 +397,8 @@ def test_a_generated_image_placeholder_ends_the_response_before_it():
         def decode(self, ids):
             return " ".join(map(str, ids))
 
-    end_before_generated_image_token(sample, 0, image, Decoder())
-    assert sample.tokens == prompt + [3, 4] and sample.response_length == 2 and sample.response == "3 4"
+    end_before_generated_image_token(sample, 0, image, Decoder(), "earlier ")
+    assert sample.tokens == prompt + [3, 4] and sample.response_length == 2 and sample.response == "earlier 3 4"
     assert sample.loss_mask == [1, 1] and sample.rollout_log_probs == [-0.1, -0.2]
     assert sample.rollout_top_p_token_offsets == [0, 2, 3] and sample.rollout_top_p_token_ids == [3, 9, 4]
     assert sample.status == Status.TRUNCATED

@@ -23,7 +23,8 @@ Endpoints (request/response shapes follow SGLang):
                                           "backend": "gloo"}
     POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version"?}
     POST /destroy_weights_update_group   {"group_name"}
-    POST /update_weights_from_disk       {"model_path", "load_format"?, "weight_version"?}
+    POST /update_weights_from_disk       {"model_path", "load_format"?, "weight_version"?}; a slime delta folder
+                                         (`slime.utils.weight_delta`) is rebuilt from the live weights
     POST /release_memory_occupation, /resume_memory_occupation  {"tags"?}
     POST /update_weight_version          {"new_version", "abort_all_requests"?}: relabel the live weights
     POST /load_lora_adapter              {"lora_name", "lora_path": PEFT adapter folder, "pinned"?}
@@ -81,7 +82,7 @@ from slime.backends.cpu_engine.protocol import (
     parse_generate_request,
 )
 from slime.backends.cpu_engine.sampling import SamplingParams
-from slime.utils import weight_transport
+from slime.utils import fp8, weight_delta, weight_transport
 from slime.utils.engine_args import CPU_ENGINE_CONTROL_MAX_BODY_BYTES, ENGINE_API_KEY_ENV
 from slime.utils.openai_protocol import PARSE_OFF_LOOP_BYTES, lone_surrogate
 
@@ -124,6 +125,9 @@ class ServerArgs:
         max_loras_per_batch: Most distinct adapters in one running batch; requests of further ones wait.
         max_loaded_loras: Most adapters held at once; loading another needs an unload first.
         lora_paths: Adapters loaded at start, each `name=path` or `path` (then named by its path).
+        quantization: "fp8" runs the model in block FP8 as SGLang's `--quantization fp8` does (a bf16/fp32
+            checkpoint is rounded through FP8 on load, and so is every update not sent in FP8); None keeps the
+            checkpoint's precision. A block-FP8 checkpoint (its config's `quantization_config`) runs FP8 either way.
     """
 
     model_path: str
@@ -146,6 +150,7 @@ class ServerArgs:
     max_loras_per_batch: int = 8
     max_loaded_loras: int = 16
     lora_paths: list[str] | None = None
+    quantization: str | None = None
 
 
 def lora_enabled(args: ServerArgs) -> bool:
@@ -212,6 +217,10 @@ def check_server_args(args: ServerArgs) -> None:
         if given:
             raise ValueError(f"{' and '.join(given)} only apply with --enable-lora; add it or drop them")
     parse_lora_paths(args.lora_paths or [])
+    if args.quantization not in (None, "fp8"):
+        raise ValueError(
+            f"--quantization {args.quantization!r}: the CPU engine runs only fp8 (block-wise); drop it or use fp8"
+        )
 
 
 def build_engine(args: ServerArgs) -> CpuEngine:
@@ -239,6 +248,8 @@ def build_engine(args: ServerArgs) -> CpuEngine:
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras,
     )
+    if args.quantization == "fp8":
+        engine.call(lambda: weights.enable_fp8(engine.model)).result()
     for name, path in parse_lora_paths(args.lora_paths or []):
         try:
             config, tensors = lora.read_adapter_folder(path, engine.lora_store().max_adapter_bytes())
@@ -820,7 +831,7 @@ async def update_weights_from_distributed(request: web.Request) -> dict:
     version = _before_update(engine, body)
 
     def receive(buffer: torch.Tensor) -> None:
-        dist.broadcast(buffer, src=0, group=group)
+        dist.broadcast(fp8.fp8_wire_view(buffer), src=0, group=group)
 
     # Received on the engine's worker thread between steps, checked, then copied into the parameters.
     layout = [(name, dtype, tuple(shape)) for name, dtype, shape in zip(names, torch_dtypes, shapes)]
@@ -849,8 +860,24 @@ async def update_weights_from_disk(request: web.Request) -> dict:
     if load_format not in (None, "auto", "safetensors"):
         raise RequestError(f"load_format={load_format!r} is not supported; use 'safetensors' or leave it null")
     version = _before_update(engine, body)
+    if os.path.isfile(os.path.join(model_path, weight_delta.MANIFEST)):
+        new_version = await _load_delta(engine, model_path, version)
+        return {"message": f"applied delta {model_path}", "weight_version": new_version, "num_paused_requests": 0}
     new_version = await asyncio.wrap_future(engine.update_weights_from_disk(model_path, version))
     return {"message": f"loaded {model_path}", "weight_version": new_version, "num_paused_requests": 0}
+
+
+async def _load_delta(engine: CpuEngine, folder: str, version: str | None) -> str:
+    """Rebuild a delta folder's tensors from the live weights on the worker thread (refused, 400 naming the tensor,
+    when the base version or a checksum does not match), then copy them in as any update."""
+
+    def rebuild() -> list[tuple[str, torch.Tensor]]:
+        if engine.released:
+            raise RequestError("cannot apply a weight delta: the weights are released; push the full weights")
+        return weights.rebuild_delta_folder(weights.weight_targets(engine.model), folder, engine.weight_version)
+
+    named = await asyncio.wrap_future(engine.call(rebuild))
+    return await asyncio.wrap_future(engine.update_weights(named, version))
 
 
 @_control
@@ -1123,6 +1150,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     )
     parser.add_argument(
         "--lora-paths", nargs="+", default=None, metavar="NAME=PATH", help="PEFT adapter folders loaded at start"
+    )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="run the weights in block FP8 (a bf16/fp32 checkpoint is rounded through FP8 on load)",
     )
     args = ServerArgs(**vars(parser.parse_args(argv)))
     try:

@@ -8,6 +8,7 @@ way) are in `slime.utils.weight_transport`, shared with the trainers that send.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import weakref
@@ -18,8 +19,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.utils import logging as hf_logging
 
 from slime.backends.cpu_engine.vision import is_vision_language
+from slime.utils import fp8, weight_delta
 from slime.utils.misc import load_pretrained, release_free_host_memory
 from slime.utils.processing_utils import load_tokenizer
 
@@ -34,7 +37,9 @@ def load_model(
     tokenizer for inference on CPU.
 
     The parameters are copied out of the memory-mapped checkpoint, so later writes to the
-    checkpoint folder (or its deletion) cannot change or break the running model.
+    checkpoint folder (or its deletion) cannot change or break the running model. A block-FP8 checkpoint (its
+    config.json's `quantization_config`, see `slime.utils.fp8`) is dequantized to `dtype` exactly, and the model
+    runs FP8 from then on (`enable_fp8`).
 
     Args:
         model_path: A local HF folder with safetensors weights.
@@ -47,16 +52,92 @@ def load_model(
     """
     config = load_pretrained(AutoConfig, str(model_path), trust_remote_code)
     loader = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
-    model = load_pretrained(loader, str(model_path), trust_remote_code, dtype=dtype).eval()
+    fp8_block = fp8.folder_fp8_block(model_path)
+    if fp8_block is not None:
+        # transformers would dequantize through bf16 (on CPU) or keep FP8 kernels (on GPU): load the FP8 tensors
+        # as plain ones here, then overwrite them with their exact dequantization below.
+        del config.quantization_config
+    with _quiet_transformers(fp8_block is not None):  # it would list every `_scale_inv` as an unexpected key
+        model = load_pretrained(loader, str(model_path), trust_remote_code, dtype=dtype, config=config).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
+    if fp8_block is not None:
+        _FP8_BLOCKS[model] = fp8_block
+        load_safetensors_folder(weight_targets(model), model_path)
     tokenizer = load_tokenizer(str(tokenizer_path or model_path), trust_remote_code=trust_remote_code)
     return model, tokenizer
 
 
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool):
+    previous = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
 # model -> {checkpoint name: live name}, computed once per model
 _CHECKPOINT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> FP8 block size, for models that run FP8 (`enable_fp8`)
+_FP8_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class WeightTargets(dict):
+    """What `weight_targets` returns: name -> live tensor, and `fp8_block`, the block size of a model that runs FP8
+    (None otherwise), which says how the update functions below load what they are given."""
+
+    fp8_block: fp8.Block | None = None
+
+
+@torch.no_grad()
+def enable_fp8(model, block: fp8.Block = fp8.DEFAULT_BLOCK) -> None:
+    """Run the model in FP8 (SGLang's `--quantization fp8`): round its quantized weights (`fp8.is_fp8_quantized`)
+    through block FP8 now, and every such weight that later updates load, unless it comes quantized already.
+
+    The CPU has no FP8 matmul: the weights stay in the compute dtype, holding only values FP8 can express, which
+    is what an FP8 engine computes with. A model loaded from an FP8 checkpoint is FP8 already (nothing changes).
+    """
+    if model in _FP8_BLOCKS:
+        return
+    _FP8_BLOCKS[model] = block
+    targets = {name: t for name, t in model.named_parameters() if fp8.is_fp8_quantized(name, t)}
+    for name, tensor in _as_loaded(weight_targets(model), list(targets.items())):
+        targets[name].copy_(tensor)
+
+
+def _as_loaded(targets: dict[str, torch.Tensor], named_tensors: list[tuple[str, torch.Tensor]]) -> list:
+    """The tensors an update writes: each FP8 tensor merged with its `<name>_scale_inv` companion (dequantized),
+    and on a model that runs FP8 every other quantized weight rounded through FP8; ValueError on a bad pair."""
+    block = getattr(targets, "fp8_block", None)
+    quantized = {name.removesuffix(fp8.SCALE_SUFFIX) for name, _ in named_tensors if name.endswith(fp8.SCALE_SUFFIX)}
+    quantized.update(name for name, t in named_tensors if t.dtype == fp8.FP8_DTYPE)
+    if block is not None:
+        named_tensors = [
+            (name, fp8.dequantize_block_fp8(*fp8.quantize_block_fp8(t, block), block, t.dtype))
+            if name not in quantized and name in targets and fp8.is_fp8_quantized(name, t)
+            else (name, t)
+            for name, t in named_tensors
+        ]
+    if not quantized:
+        return named_tensors
+    try:
+        return fp8.dequantize_named_tensors(named_tensors, block or fp8.DEFAULT_BLOCK)
+    except ValueError as error:
+        raise ValueError(f"weight update rejected, nothing was changed: {error}") from None
+
+
+def _without_scales(shapes: dict) -> dict:
+    """`shapes` (name -> anything) less the `<name>_scale_inv` entries whose `<name>` is there too: a scale is no
+    parameter, it is checked with its weight when the two are merged (`_as_loaded`)."""
+    return {
+        name: value
+        for name, value in shapes.items()
+        if not (name.endswith(fp8.SCALE_SUFFIX) and name.removesuffix(fp8.SCALE_SUFFIX) in shapes)
+    }
 
 
 def checkpoint_names(model) -> dict[str, str]:
@@ -80,15 +161,17 @@ def checkpoint_names(model) -> dict[str, str]:
     return _CHECKPOINT_NAMES[model]
 
 
-def weight_targets(model) -> dict[str, torch.Tensor]:
-    """Every name a weight update may use, mapped to the live tensor (tied aliases and checkpoint names included).
+def weight_targets(model) -> WeightTargets:
+    """Every name a weight update may use, mapped to the live tensor (tied aliases and checkpoint names included),
+    with the model's FP8 block size if it runs FP8.
 
     transformers 5 fuses an MoE layer's experts into 3-D `experts.gate_up_proj` / `experts.down_proj` tensors, while
     hub checkpoints and Megatron's HF export name them one expert at a time (`experts.{E}.gate_proj.weight`, ...):
     those names map to views into the fused tensors. Views go stale when a parameter's data is swapped (release,
     adopted segments), so build the targets afresh for each update.
     """
-    targets = dict(model.state_dict(keep_vars=True))
+    targets = WeightTargets(model.state_dict(keep_vars=True))
+    targets.fp8_block = _FP8_BLOCKS.get(model)
     targets.update(model.named_parameters(remove_duplicate=False))
     targets.update({saved: targets[live] for saved, live in checkpoint_names(model).items()})
     for name, tensor in list(targets.items()):
@@ -153,7 +236,8 @@ def check_finite(named_tensors: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def check_update(targets: dict[str, torch.Tensor], named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Every check an update passes before its first tensor is written: names, shapes, dtype kinds, finite values."""
+    """Every check an update passes before its first tensor is written: names, shapes, dtype kinds, finite values.
+    Give it the tensors as `_as_loaded` makes them (FP8 pairs merged)."""
     check_names_and_shapes(
         targets,
         {name: tuple(tensor.shape) for name, tensor in named_tensors},
@@ -164,7 +248,9 @@ def check_update(targets: dict[str, torch.Tensor], named_tensors: list[tuple[str
 
 @torch.no_grad()
 def copy_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Check the whole update (`check_update`), then copy each tensor into the parameter of that name (casting dtype)."""
+    """Check the whole update (`check_update`), then copy each tensor into the parameter of that name (casting dtype).
+    FP8 tensors with their `<name>_scale_inv` are dequantized first."""
+    named_tensors = _as_loaded(targets, named_tensors)
     check_update(targets, named_tensors)
     for name, tensor in named_tensors:
         targets[name].copy_(tensor)
@@ -175,8 +261,10 @@ def adopt_named_tensors(targets: dict[str, torch.Tensor], named_tensors: list[tu
     """Like `copy_named_tensors`, but a parameter of the tensor's dtype is pointed at the tensor itself.
 
     For tensors that stay valid and unchanged until a later update replaces them (views into a trainer's
-    shared memory that it leaves alone while the engine holds it). Buffers and other dtypes are copied.
+    shared memory that it leaves alone while the engine holds it). Buffers and other dtypes are copied, and FP8
+    tensors dequantized (into new tensors, then adopted).
     """
+    named_tensors = _as_loaded(targets, named_tensors)
     check_update(targets, named_tensors)
     for name, tensor in named_tensors:
         target = targets[name]
@@ -215,8 +303,8 @@ def receive_named_tensors(
     try:
         check_names_and_shapes(
             targets,
-            {name: tuple(shape) for name, _, shape in layout},
-            {name: dtype.is_floating_point for name, dtype, _ in layout},
+            _without_scales({name: tuple(shape) for name, _, shape in layout}),
+            _without_scales({name: dtype.is_floating_point for name, dtype, _ in layout}),
         )
     except ValueError:
         drain_named_tensors(layout, receive)
@@ -226,6 +314,7 @@ def receive_named_tensors(
         buffer = torch.empty(shape, dtype=dtype)
         receive(buffer)
         received.append((name, buffer))
+    received = _as_loaded(targets, received)
     check_finite(received)
     for name, buffer in received:
         targets[name].copy_(buffer)
@@ -306,7 +395,7 @@ def load_safetensors_folder(targets: dict[str, torch.Tensor], model_path: str | 
                 header = reader.get_slice(name)
                 shapes[name] = tuple(header.get_shape())
                 float_kinds[name] = header.get_dtype().startswith(("F", "BF"))  # F32, F16, BF16, F8_E4M3, ...
-    check_names_and_shapes(targets, shapes, float_kinds)
+    check_names_and_shapes(targets, _without_scales(shapes), _without_scales(float_kinds))
     loaded = []  # every tensor read and checked before the first parameter is written
     for file in files:
         with _read_header(file) as reader:
@@ -314,10 +403,30 @@ def load_safetensors_folder(targets: dict[str, torch.Tensor], model_path: str | 
                 loaded += [(name, reader.get_tensor(name)) for name in reader.keys()]
             except Exception as error:  # a tensor past the end of a truncated file
                 raise ValueError(f"{file}: cannot read its tensors ({error}); nothing was changed") from None
+    loaded = _as_loaded(targets, loaded)
     check_finite(loaded)
     for name, tensor in loaded:
         targets[name].copy_(tensor)
-    return set(shapes)
+    return set(_without_scales(shapes))
+
+
+@torch.no_grad()
+def rebuild_delta_folder(
+    targets: dict[str, torch.Tensor], model_path: str | Path, held_version: str
+) -> list[tuple[str, torch.Tensor]] | None:
+    """The new tensors of a delta folder (`slime.utils.weight_delta`, `--update-weight-mode delta`), rebuilt from
+    the weights held and checked against their checksums; None when `model_path` holds full weights.
+
+    Raises:
+        ValueError: unknown names or wrong shapes; `weight_delta.DeltaMismatch` naming the tensor (or the base
+            version) that does not match. Nothing is written either way.
+    """
+    manifest = weight_delta.read_manifest(model_path) if Path(model_path).is_dir() else None
+    if manifest is None:
+        return None
+    entries = manifest["tensors"]
+    check_names_and_shapes(targets, {name: tuple(entry["shape"]) for name, entry in entries.items()})
+    return weight_delta.rebuild_tensors(model_path, manifest, held_version, lambda name: targets[name].detach())
 
 
 def parameters_missing_from(model, names: set[str]) -> list[str]:

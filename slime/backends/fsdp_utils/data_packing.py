@@ -140,6 +140,13 @@ def _mrope_positions(ids: list[int], images: dict[str, Any] | None, vision: Visi
     """`[3, len(ids)]` M-RoPE positions of one whole sequence whose images are `images` (text positions without)."""
     if not images:
         return torch.arange(len(ids)).expand(3, -1)
+    if _image_count(ids, vision.image_token_id) != len(images["image_grid_thw"]):
+        raise ValueError(
+            f"a sequence holds {_image_count(ids, vision.image_token_id)} runs of the image placeholder token but "
+            f"{len(images['image_grid_thw'])} images: the model generated a placeholder itself? A generate function "
+            "that posts to the engines by itself must end the response before one, as "
+            "slime.utils.router_generate.end_before_generated_image_token does"
+        )
     tokens = torch.tensor([ids])
     positions, _ = vision.rope_index(
         tokens, mm_token_type_ids=(tokens == vision.image_token_id).int(), image_grid_thw=images["image_grid_thw"]

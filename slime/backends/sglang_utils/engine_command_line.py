@@ -174,8 +174,9 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     Args:
         args: slime's parsed arguments; reads `cpu_engine_max_running_requests`, `cpu_engine_max_queued_requests`,
             `cpu_engine_num_threads` (torch threads of the engine process) and `trust_remote_code`. Of the `--sglang-*` flags only
-            `--sglang-api-key` means something to the CPU engine, and it goes by the environment
-            (`ENGINE_API_KEY_ENV`), not these arguments; the others are ignored with a warning.
+            `--sglang-api-key` (which goes by the environment, `ENGINE_API_KEY_ENV`, not these arguments) and
+            `--sglang-quantization fp8` (block FP8 weights, `slime.utils.fp8`) mean something to the CPU engine;
+            the others are ignored with a warning.
         model_path: HF checkpoint directory the engine loads.
         host: Address the HTTP server binds.
         port: HTTP port.
@@ -185,6 +186,11 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
     """
     ignored = _normalized_options(drop_parser_defaults(args.sglang_server_args or {}, sglang_cli_parser()))
     ignored.pop("api_key", None)
+    quantization = ignored.pop("quantization", None)
+    if quantization not in (None, "fp8"):
+        raise ValueError(
+            f"--sglang-quantization {quantization}: the CPU engine runs only fp8; use fp8 or drop the flag"
+        )
     # The one SGLang LoRA field the CPU engine takes from the user; the others follow --lora-rank.
     max_loras_per_batch = ignored.pop("max_loras_per_batch", None) if engines_serve_adapter(args) else None
     if ignored:
@@ -200,6 +206,7 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
             "trust_remote_code": bool(args.trust_remote_code),
             **_lora_serving_options(args, every_linear="all-linear"),
             "max_loras_per_batch": max_loras_per_batch,
+            "quantization": quantization,
         }
     )
 

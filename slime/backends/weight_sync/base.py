@@ -57,10 +57,13 @@ class WeightTransport:
             rank taking part, with the engines paused throughout.
         adapter: The LoRA adapter the transport pushes (the engines serve it under this name), or None when it
             pushes the model's weights.
+        fp8_block: The engines run block FP8 with this block size (`slime.utils.fp8.rollout_fp8_block`):
+            `WeightUpdater` hands the transport every bucket quantized (FP8 weights plus `<name>_scale_inv`).
     """
 
     every_rank_sends: bool = False
     adapter: str | None = None
+    fp8_block: tuple[int, int] | None = None
     staged: bool = False
 
     def connect(self, engines: list, engine_urls: list[str], rank: int, world_size: int) -> None:

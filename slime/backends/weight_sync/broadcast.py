@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from slime.backends.weight_sync.base import WeightTransport, call_engine
 from slime.utils.device import cuda_available
+from slime.utils.fp8 import fp8_wire_view
 from slime.utils.http_utils import find_free_port
 from slime.utils.weight_sync import Bucket
 from slime.utils.weight_transport import init_process_group_like_sglang
@@ -120,7 +121,9 @@ class BroadcastTransport(WeightTransport):
                     for engine in self.engines
                 ]
                 for _, tensor in bucket:
-                    dist.broadcast(tensor, src=0, group=self.group.group)
+                    # gloo has no FP8 type: FP8 tensors go as their bytes (the CPU engine receives them so)
+                    wire = fp8_wire_view(tensor) if self.backend == "gloo" else tensor
+                    dist.broadcast(wire, src=0, group=self.group.group)
                 for receive in receives:
                     receive.result()
 

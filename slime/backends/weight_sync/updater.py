@@ -17,6 +17,7 @@ from slime.backends.weight_sync.disk import DiskTransport
 from slime.backends.weight_sync.lora_adapter import LoraAdapterTransport
 from slime.backends.weight_sync.shared_memory import SharedMemoryTransport
 from slime.utils.engine_args import engine_api_key
+from slime.utils.fp8 import quantize_named_tensors, rollout_fp8_block
 from slime.utils.weight_sync import Bucket, weight_check_tolerance
 from slime.utils.weight_transport import segment_tag, shared_memory_available
 
@@ -33,8 +34,11 @@ def choose_transport(
       (`SharedMemoryTransport`), as CUDA IPC handles otherwise or where there is no memfd (`CudaIpcTransport`).
     - `--lora-rank`: only the adapter (`LoraAdapterTransport`): through a shared-memory segment to a colocated CPU
       engine, in the request body otherwise.
-    - `--update-weight-transport disk`: a HF folder the engines load (`DiskTransport`).
+    - `--update-weight-transport disk`: a HF folder the engines load (`DiskTransport`); with `--update-weight-mode
+      delta`, after the first push, a folder of only the changes that the engines apply to their weights.
     - otherwise: a broadcast from training rank 0 over a group with every engine rank (`BroadcastTransport`).
+
+    A transport of the full weights gets `fp8_block` when the engines run FP8 (`rollout_fp8_block`).
 
     Args:
         args: Needs `colocate`, `rollout_num_gpus_per_engine`, `rollout_backend`, `update_weight_transport`
@@ -48,6 +52,12 @@ def choose_transport(
         colocated_cpu = args.colocate and args.rollout_backend == "cpu" and shared_memory_available()
         tag = segment_tag(engine_api_key(args))
         return LoraAdapterTransport(adapter_config, args.rollout_backend, shared_memory=colocated_cpu, segment_tag=tag)
+    transport = _full_weight_transport(args, device, previous)
+    transport.fp8_block = rollout_fp8_block(args)
+    return transport
+
+
+def _full_weight_transport(args: Namespace, device: torch.device, previous: WeightTransport | None) -> WeightTransport:
     gpus_per_engine = args.rollout_num_gpus_per_engine
     if args.colocate:
         if device.type != "cuda" and shared_memory_available():
@@ -108,12 +118,16 @@ class WeightUpdater:
         ranks have caught up.
 
         Args:
-            buckets: HF-named tensor buckets of the current weights (lazy: produced while sending).
+            buckets: HF-named tensor buckets of the current weights (lazy: produced while sending); quantized to
+                FP8 here, before any transport sees them, when the engines run FP8 (`WeightTransport.fp8_block`).
 
         Returns:
             The new weight version.
         """
         version = str(self.version + 1)
+        block = self.transport.fp8_block
+        if block is not None:
+            buckets = (quantize_named_tensors(bucket, block) for bucket in buckets)
         if self.transport.staged:
             error = None
             try:

@@ -55,6 +55,19 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "update_weight_disk_keep_files": ("test_weight_sync_disk.py::test_disk_push_makes_engine_match_trainer",),
     "custom_update_weight_post_write_path": ("test_weight_sync_disk.py::test_disk_push_makes_engine_match_trainer",),
+    "update_weight_mode": (
+        "test_delta_weight_sync.py::test_delta_push_makes_engine_bit_equal_with_fewer_bytes",
+        "test_delta_weight_sync.py::test_refused_delta_is_followed_by_the_full_weights",
+    ),
+    "update_weight_delta_encoding": (
+        "test_delta_weight_sync.py::test_delta_push_makes_engine_bit_equal_with_fewer_bytes",
+    ),
+    "update_weight_delta_checksum": (
+        "test_delta_weight_sync.py::test_delta_push_makes_engine_bit_equal_with_fewer_bytes",
+    ),
+    "update_weight_local_checkpoint_dir": (
+        "test_delta_weight_sync.py::test_delta_push_makes_engine_bit_equal_with_fewer_bytes",
+    ),
     "update_weight_buffer_size": (
         "test_flag_effects_with_actors.py::test_update_weight_buffer_size_sizes_the_buckets",
     ),

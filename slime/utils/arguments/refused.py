@@ -34,11 +34,6 @@ class Refusal:
     allowed: tuple[Any, ...] = ()
 
 
-_NO_DELTA_SYNC = Refusal(
-    "only delta weight sync (--update-weight-mode delta) reads it, and delta weight sync is not implemented",
-    "drop it; every update pushes the full weights (with --update-weight-transport disk: an HF folder under "
-    "--update-weight-disk-dir)",
-)
 _OPD_ENGINE_TEACHER = (
     "serve the teacher with an engine and pass --opd-type sglang --opd-teacher-url http://HOST:PORT "
     "(python -m slime.backends.cpu_engine --model-path <teacher> on CPU, sglang.launch_server on GPU)"
@@ -59,12 +54,6 @@ REFUSED_FLAGS: dict[str, Refusal] = {
     "prefill_num_servers": Refusal(
         "prefill/decode disaggregation is not implemented", "drop it; every engine serves prefill and decode"
     ),
-    "update_weight_mode": Refusal(
-        "delta weight sync is not implemented", "drop it; every update pushes the full weights", values=("delta",)
-    ),
-    "update_weight_local_checkpoint_dir": _NO_DELTA_SYNC,
-    "update_weight_delta_encoding": _NO_DELTA_SYNC,
-    "update_weight_delta_checksum": _NO_DELTA_SYNC,
     "release_train": Refusal(
         "recreating the trainers after each step is not implemented",
         "drop it; --offload-train frees the trainer's GPU memory while the engines generate",

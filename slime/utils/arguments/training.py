@@ -20,7 +20,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--update-weight-mode",
         choices=["full", "delta"],
         default="full",
-        help="Push all weights, or only xor-encoded changes (delta needs --update-weight-transport disk).",
+        help="Push all weights every update, or (delta, with --update-weight-transport disk and the CPU engine) only "
+        "the tensors that changed since the version the engines hold, encoded by --update-weight-delta-encoding. The "
+        "first push, one after restarted engines or a failed push, and one after a refused delta are full.",
     )
     group.add_argument(
         "--update-weight-transport",
@@ -44,10 +46,28 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="Disk weight sync: keep every push's folder (default: delete the previous one once the engines have "
         "loaded the next; the newest stays).",
     )
-    group.add_argument("--update-weight-delta-encoding", choices=["xor"], default="xor", help="Delta encoding.")
-    group.add_argument("--update-weight-delta-checksum", default="xxh3-128", help="Checksum of each delta.")
     group.add_argument(
-        "--update-weight-local-checkpoint-dir", default=None, help="Engine-local directory delta sync writes to."
+        "--update-weight-delta-encoding",
+        choices=["xor", "overwrite"],
+        default="xor",
+        help="Delta sync: xor, the zstd-compressed bitwise xor of each changed tensor with the engines' copy "
+        "(bit-exact; small updates leave most high-order bytes unchanged, which compress away), or overwrite, each "
+        "changed tensor whole and uncompressed. Unchanged tensors are never written.",
+    )
+    group.add_argument(
+        "--update-weight-delta-checksum",
+        choices=["xxh3-128", "sha256"],
+        default="xxh3-128",
+        help="Delta sync: checksum of each changed tensor's new bytes, which the engine checks after rebuilding it; "
+        "a mismatch makes the trainer push the full weights.",
+    )
+    group.add_argument(
+        "--update-weight-local-checkpoint-dir",
+        default=None,
+        help="Delta sync: folder on training rank 0's local disk where it keeps its copy of the weights the engines "
+        "hold (the base deltas are encoded against), as <dir>/slime-delta-base, cleared at start. Default: kept in "
+        "rank 0's memory (one more copy of the weights). Upstream slime names with it the engines' local checkpoint "
+        "that they patch; slime's CPU engine patches its live weights instead.",
     )
     group.add_argument(
         "--update-weight-buffer-size",

@@ -27,6 +27,7 @@ from slime.utils.arguments.rollout import (
 from slime.utils.device import cuda_available
 from slime.utils.engine_args import engine_api_key
 from slime.utils.eval_config import load_eval_config
+from slime.utils.fp8 import rollout_fp8_block
 from slime.utils.misc import load_function
 from slime.utils.moe_routing import routing_shape
 
@@ -348,6 +349,23 @@ def _validate_modes(args: argparse.Namespace) -> None:
             _fail("--update-weight-mode delta needs --update-weight-transport disk.")
         if args.colocate:
             _fail("--update-weight-mode delta does not work with --colocate (colocated engines get tensors directly).")
+        if args.rollout_backend != "cpu":
+            _fail(
+                "--update-weight-mode delta needs --rollout-backend cpu: SGLang's /update_weights_from_disk loads "
+                "full folders only and has no way to apply a delta to the weights it holds. Drop "
+                "--update-weight-mode delta (disk sync then pushes full folders)."
+            )
+        if args.lora_rank:
+            _fail("--update-weight-mode delta does not apply with --lora-rank: only the adapter is pushed. Drop one.")
+    else:
+        delta_only = {
+            "--update-weight-local-checkpoint-dir": args.update_weight_local_checkpoint_dir is not None,
+            "--update-weight-delta-encoding": args.update_weight_delta_encoding != "xor",
+            "--update-weight-delta-checksum": args.update_weight_delta_checksum != "xxh3-128",
+        }
+        given = [flag for flag, set_ in delta_only.items() if set_]
+        if given:
+            _fail(f"{', '.join(given)} only take effect with --update-weight-mode delta; add it or drop them.")
     if args.save_interval is not None and not args.save:
         _fail("--save-interval needs --save (the checkpoint directory).")
 
@@ -407,7 +425,31 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_fully_async(args)
     _validate_lora(args)
     _validate_multimodal(args)
+    _validate_fp8_rollout(args)
     return args
+
+
+def _validate_fp8_rollout(args: argparse.Namespace) -> None:
+    """FP8 engines (a block-FP8 --hf-checkpoint, or --sglang-quantization fp8): what compares or diffs their weights
+    against the trainer's unrounded ones cannot hold."""
+    try:
+        block = rollout_fp8_block(args)
+    except ValueError as error:
+        _fail(str(error))
+    if block is None:
+        return
+    conflicts = [
+        ("--check-weight-update-equal", args.check_weight_update_equal, "its 1e-3 log-prob bound"),
+        ("--use-fault-tolerance", args.use_fault_tolerance, "a restarted engine's 1e-4 weight check"),
+        ("--update-weight-mode delta", args.update_weight_mode == "delta", "a delta against the engine's weights"),
+    ]
+    for flag, given, check in conflicts:
+        if given:
+            _fail(
+                f"{flag} with FP8 engines (block {block[0]}x{block[1]}): {check} compares the engines' FP8-rounded "
+                "weights with the trainer's unrounded ones, which FP8 rounding alone fails. Drop it, or roll out in "
+                "the trainer's precision."
+            )
 
 
 def _validate_routing_replay(args: argparse.Namespace) -> None:

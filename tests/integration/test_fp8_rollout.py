@@ -1,0 +1,128 @@
+"""FP8 rollout: the trainer keeps float32 weights, the CPU engines run block FP8, every push is quantized.
+
+Real CPU engine server processes (one plain, one with `--quantization fp8`) take broadcast pushes from a
+`WeightUpdater` in this process (a one-rank gloo group). The expected values come from plain HF models: the
+trainer's weights, and the same weights rounded through FP8 here block by block. Reported: the largest gap between
+the engine's and the trainer's probe log-probs with and without FP8.
+
+Bound on the FP8 gap: a log-prob is `z_i - logsumexp(z)`, and `logsumexp` moves by at most max|dz|, so the
+log-probs of weights rounded through FP8 differ from the trainer's by at most 2 max|dz| over the probe's logits.
+"""
+
+from __future__ import annotations
+
+import datetime
+from argparse import Namespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from support.engines import cpu_engine_process, engine_prompt_log_probs
+from support.tiny_model import build_tiny_model
+from transformers import AutoModelForCausalLM
+
+from slime.backends.weight_sync import WeightUpdater, choose_transport
+from slime.utils.weight_sync import bucket_named_tensors
+
+PROBE = [5, 17, 42, 99, 123, 7, 250, 31, 64, 12, 200, 3, 77, 150, 9, 301]
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def model_128(tmp_path_factory):
+    """A tiny Llama 128 wide: its Linear weights hold whole 128 x 128 blocks and ragged ones (k/v: 64 rows)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_128"), hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """The default process group a trainer rank has (the updater's barriers run in it), for this module only."""
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def through_fp8(w: torch.Tensor) -> torch.Tensor:
+    """`w` rounded through e4m3 with one scale (amax / 448) per 128 x 128 block, by a loop over the blocks."""
+    out = torch.empty_like(w)
+    for i in range(0, w.shape[0], BLOCK):
+        for j in range(0, w.shape[1], BLOCK):
+            tile = w[i : i + BLOCK, j : j + BLOCK]
+            scale = tile.abs().max() / 448
+            out[i : i + BLOCK, j : j + BLOCK] = (tile / scale).to(torch.float8_e4m3fn).float() * scale
+    return out
+
+
+def rounded(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state as an FP8 engine holds it: the decoder layers' 2-D projection weights rounded."""
+    linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return {
+        name: through_fp8(t) if any(f".{leaf}.weight" in name for leaf in linear) else t for name, t in state.items()
+    }
+
+
+def logits(model_dir, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([PROBE])).logits[0, :-1].float()
+
+
+def log_probs(z: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(z, -1).gather(-1, torch.tensor(PROBE[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def push(state: dict[str, torch.Tensor], model_dir, engines: list, urls: list[str], quantization: str | None) -> None:
+    """One broadcast push of `state` in ~64 kB buckets, as a trainer rank makes it."""
+    args = Namespace(
+        colocate=False,
+        rollout_num_gpus_per_engine=1,
+        rollout_backend="cpu",
+        update_weight_transport="nccl",
+        hf_checkpoint=str(model_dir),
+        sglang_server_args={"quantization": quantization} if quantization else {},
+    )
+    updater = WeightUpdater(rank=0)
+    updater.connect(choose_transport(args, torch.device("cpu")), engines, urls)
+    assert updater.transport.fp8_block == ((BLOCK, BLOCK) if quantization else None)
+    try:
+        updater.push(bucket_named_tensors(state.items(), 64_000))
+    finally:
+        updater.close()
+
+
+def gap(client, expected: torch.Tensor) -> float:
+    return float((engine_prompt_log_probs(client, PROBE) - expected).abs().max())
+
+
+def test_fp8_rollout_gap_against_the_trainer(model_128, one_rank_group):
+    base = AutoModelForCausalLM.from_pretrained(model_128, dtype=torch.float32).state_dict()
+    generator = torch.Generator().manual_seed(0)
+    # the weights after some training: every tensor moved
+    trainer = {name: t + 0.05 * t.std() * torch.randn(t.shape, generator=generator) for name, t in base.items()}
+    trainer_z, fp8_z = logits(model_128, trainer), logits(model_128, rounded(trainer))
+    trainer_lp, fp8_lp = log_probs(trainer_z), log_probs(fp8_z)
+    bound = 2 * float((fp8_z - trainer_z).abs().max())
+
+    with (
+        cpu_engine_process(model_128) as (plain, plain_url),
+        cpu_engine_process(model_128, "--quantization", "fp8") as (quantized, quantized_url),
+    ):
+        # --quantization fp8 rounds the fp32 checkpoint on load
+        assert gap(quantized, log_probs(logits(model_128, rounded(base)))) <= 1e-4
+
+        # FP8 pushes: the plain engine gets FP8 weights + scales too (only its dequantization makes it match)
+        push(trainer, model_128, [plain, quantized], [plain_url, quantized_url], "fp8")
+        assert gap(plain, fp8_lp) <= 1e-4 and gap(quantized, fp8_lp) <= 1e-4
+        fp8_gap = gap(quantized, trainer_lp)
+
+        # the trainer's own precision: float32 end to end
+        push(trainer, model_128, [plain], [plain_url], None)
+        fp32_gap = gap(plain, trainer_lp)
+
+    print(f"\nengine-vs-trainer probe log-prob gap: fp32 {fp32_gap:.3g}, fp8 {fp8_gap:.3g} (bound {bound:.3g})")
+    assert fp32_gap <= 1e-4
+    assert 0 < fp8_gap <= bound + 1e-4
