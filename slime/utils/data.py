@@ -24,7 +24,13 @@ import torch
 from PIL import Image
 
 from slime.utils.misc import load_pretrained
-from slime.utils.processing_utils import expand_image_pads, image_token_counts, load_image, load_image_processor
+from slime.utils.processing_utils import (
+    expand_image_pads,
+    image_token_counts,
+    is_vision_language,
+    load_image,
+    load_image_processor,
+)
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -210,7 +216,7 @@ def load_vision_prompter(path: str, trust_remote_code: bool = False) -> VisionPr
     from transformers import AutoConfig
 
     config = load_pretrained(AutoConfig, path, trust_remote_code)
-    if getattr(config, "vision_config", None) is None:
+    if not is_vision_language(config):
         return None
     return VisionPrompter(
         load_image_processor(path, trust_remote_code),

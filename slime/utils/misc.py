@@ -7,8 +7,10 @@ import ctypes
 import gc
 import importlib
 import inspect
+import json
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # Upstream slime's plugins are a top-level package; slime's are `slime.plugins`, so a user's own package of
@@ -130,8 +132,19 @@ def load_pretrained(loader: Any, path: str, trust_remote_code: bool = False, **k
         ) from None
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
-    """The tokenizer of an HF folder, by `load_pretrained` (its own code runs only under `--trust-remote-code`)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, **kwargs: Any) -> Any:
+    """The tokenizer of an HF folder, by `load_pretrained` (its own code runs only under `--trust-remote-code`).
+
+    A tokenizer without a chat template takes the folder's processor's (`chat_template.jinja`, or the template in
+    `chat_template.json`), where vision-language checkpoints often keep it.
+    """
     from transformers import AutoTokenizer
 
-    return load_pretrained(AutoTokenizer, path, trust_remote_code)
+    tokenizer = load_pretrained(AutoTokenizer, path, trust_remote_code, **kwargs)
+    if getattr(tokenizer, "chat_template", None) is None:
+        folder = Path(path)
+        if (folder / "chat_template.jinja").is_file():
+            tokenizer.chat_template = (folder / "chat_template.jinja").read_text()
+        elif (folder / "chat_template.json").is_file():
+            tokenizer.chat_template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    return tokenizer

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from slime.utils.misc import load_pretrained
+from slime.utils.misc import load_tokenizer as _load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -31,30 +31,20 @@ _QUOTE_CHARS = 60
 MAX_IMAGE_FILE_BYTES = 64 * 2**20
 
 
+def is_vision_language(config: Any) -> bool:
+    """Whether an HF config (a `PretrainedConfig`, or config.json as a dict) is a vision-language model's: it has a
+    `vision_config` and transformers serves its `model_type` as image-text-to-text. The one test the trainer, the
+    engine, the rollout and the argument checks share."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return get("vision_config") is not None and get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
 def load_tokenizer(name_or_path: str, **kwargs: Any):
-    """`AutoTokenizer.from_pretrained(name_or_path, **kwargs)`, with the chat template of the folder's processor when
-    the tokenizer has none (VL checkpoints often keep it in `chat_template.jinja` / `chat_template.json` only).
-
-    Python code in the folder runs only with `trust_remote_code=True` (else a clear ValueError names the flag).
-    """
-    from transformers import AutoTokenizer
-
-    trust_remote_code = kwargs.pop("trust_remote_code", False)
-    tokenizer = load_pretrained(AutoTokenizer, name_or_path, trust_remote_code, **kwargs)
-    if getattr(tokenizer, "chat_template", None) is None:
-        template = _processor_chat_template(Path(name_or_path))
-        if template:
-            tokenizer.chat_template = template
-    return tokenizer
-
-
-def _processor_chat_template(folder: Path) -> str | None:
-    jinja, as_json = folder / "chat_template.jinja", folder / "chat_template.json"
-    if jinja.is_file():
-        return jinja.read_text()
-    if as_json.is_file():
-        return json.loads(as_json.read_text()).get("chat_template")
-    return None
+    """Upstream's name for `slime.utils.misc.load_tokenizer`: the folder's tokenizer, with its processor's chat
+    template when the tokenizer has none. Python code in the folder runs only with `trust_remote_code=True`."""
+    return _load_tokenizer(name_or_path, kwargs.pop("trust_remote_code", False), **kwargs)
 
 
 def load_processor(name_or_path: str, **kwargs: Any):

@@ -19,7 +19,7 @@ from slime.utils.http_utils import HTTPRequestError, async_post_json, bearer_hea
 from slime.utils.lora import rollout_adapter
 from slime.utils.misc import load_pretrained, load_tokenizer
 from slime.utils.moe_routing import decode_routed_experts, routing_shape
-from slime.utils.processing_utils import encode_image_for_rollout_engine
+from slime.utils.processing_utils import encode_image_for_rollout_engine, is_vision_language
 from slime.utils.run_context import RunContext, engine_urls, router_url
 from slime.utils.types import Sample, Status
 
@@ -111,7 +111,7 @@ async def generate_into_sample(
 def _image_token_id(hf_checkpoint: str, trust_remote_code: bool) -> int | None:
     """A vision-language model's image placeholder token (`config.image_token_id`); None for a text model."""
     config = load_pretrained(AutoConfig, hf_checkpoint, trust_remote_code)
-    return getattr(config, "image_token_id", None) if getattr(config, "vision_config", None) is not None else None
+    return int(config.image_token_id) if is_vision_language(config) else None
 
 
 def end_before_generated_image_token(

@@ -35,8 +35,9 @@ from slime.backends.cpu_engine import weights
 from slime.backends.cpu_engine.lora import LoraAdapter, LoraStore
 from slime.backends.cpu_engine.protocol import GenerationRequest, RequestError
 from slime.backends.cpu_engine.sampling import sample_next_tokens
-from slime.backends.cpu_engine.vision import Vision, is_vision_language, load_vision
+from slime.backends.cpu_engine.vision import Vision, load_vision
 from slime.utils.moe_routing import HFRouters, routing_shape
+from slime.utils.processing_utils import is_vision_language
 from slime.utils.weight_transport import MappedSegments
 
 logger = logging.getLogger(__name__)

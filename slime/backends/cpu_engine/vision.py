@@ -74,15 +74,6 @@ class Vision:
         return ids, inputs
 
 
-def is_vision_language(config) -> bool:
-    """Whether the HF config is of a model transformers serves as image-text-to-text (it has a vision tower)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    return getattr(config, "vision_config", None) is not None and (
-        config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    )
-
-
 def load_vision(model, model_path: str, trust_remote_code: bool = False) -> Vision:
     """The image side of a loaded vision-language `model`: its folder's image processor and the model's M-RoPE.
 

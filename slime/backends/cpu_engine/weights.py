@@ -21,10 +21,9 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.utils import logging as hf_logging
 
-from slime.backends.cpu_engine.vision import is_vision_language
 from slime.utils import fp8, weight_delta
 from slime.utils.misc import load_pretrained, release_free_host_memory
-from slime.utils.processing_utils import load_tokenizer
+from slime.utils.processing_utils import is_vision_language, load_tokenizer
 
 
 def load_model(

@@ -33,7 +33,6 @@ from slime.backends.fsdp_utils.model import (
     build_optimizer,
     freeze_vision_tower,
     is_hf_folder,
-    is_vision_language,
     load_local_shards,
     load_model,
     read_hf_state_dict,
@@ -54,6 +53,7 @@ from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
 from slime.utils.moe_routing import HFRouters
 from slime.utils.ppo_utils import compute_log_probs
+from slime.utils.processing_utils import is_vision_language
 from slime.utils.weight_sync import Bucket
 
 logger = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, VisionBatching
 from slime.utils.device import default_device
 from slime.utils.misc import load_pretrained, load_tokenizer
-from slime.utils.processing_utils import load_image_processor, load_processor
+from slime.utils.processing_utils import is_vision_language, load_image_processor, load_processor
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 # Parameter names of a vision tower (with its merger / projector) in HF's vision-language models.
@@ -129,11 +129,6 @@ def load_model(
         else:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model.train()
-
-
-def is_vision_language(config) -> bool:
-    """Whether an HF config is a vision-language model's (it has a `vision_config`, as upstream tells them)."""
-    return getattr(config, "vision_config", None) is not None
 
 
 def freeze_vision_tower(model: nn.Module) -> list[str]:

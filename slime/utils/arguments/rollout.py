@@ -8,6 +8,7 @@ import os
 
 from slime.utils.arguments.errors import _fail
 from slime.utils.arguments.flag_values import _json_object, _NamePathPairs
+from slime.utils.processing_utils import is_vision_language
 
 DEFAULT_ROLLOUT_FUNCTION_PATH = "slime.rollout.sglang_rollout.generate_rollout"
 DEFAULT_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
@@ -32,12 +33,12 @@ def _multimodal_keys(text: str) -> dict[str, str]:
 
 
 def is_vision_language_checkpoint(path: str | None) -> bool:
-    """Whether the HF folder's config.json describes a vision-language model (it has a `vision_config`)."""
+    """Whether the HF folder's config.json describes a vision-language model (`is_vision_language`)."""
     config = os.path.join(path or "", "config.json")
     if not path or not os.path.isfile(config):
         return False
     with open(config) as f:
-        return "vision_config" in json.load(f)
+        return is_vision_language(json.load(f))
 
 
 def _validate_multimodal(args: argparse.Namespace) -> None:
