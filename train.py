@@ -14,6 +14,7 @@ import ray
 from slime.ray.driver import (
     create_training_run,
     finish,
+    generate_rollout,
     log_step,
     run_driver,
     save_checkpoint,
@@ -34,7 +35,7 @@ def train(args) -> None:
     for rollout_id in range(run.start_rollout_id, run.num_rollout):
         timer = PhaseTimer()  # perf/<phase>_time of the phases below; they add up to perf/step_time
         with timer.phase("generate"):
-            batch = get_with_progress(manager, manager.generate.remote(rollout_id, run.dp_size))
+            batch = generate_rollout(run, rollout_id)
         metrics = dict(batch.metrics)
 
         if actor is not None:

@@ -15,6 +15,7 @@ import ray
 
 from slime.ray.actor_group import JobProcessDied, RayTrainGroup
 from slime.ray.placement_group import create_placement_groups
+from slime.ray.progress import get_with_progress
 from slime.ray.rollout import create_rollout_manager
 from slime.utils import run_dir
 from slime.utils.arguments import parse_args
@@ -137,6 +138,34 @@ def create_training_run(args) -> TrainingRun:
         placement_groups=list({id(s.pg): s.pg for s in slices.values() if s.pg is not None}.values()),
     )
     return _current_run
+
+
+def generate_rollout(run: TrainingRun, rollout_id: int) -> Any:
+    """`RolloutManager.generate` of `rollout_id`, with the manager's progress bars drawn meanwhile.
+
+    Under `--use-fault-tolerance` a replaced engine joins the router only once it holds the current weights, which
+    the step's push brings after the rollout; if every engine was replaced during a rollout, no engine serves it and
+    it fails. The replacements then get the weights now and the rollout runs again (its groups went back to the
+    data source when it failed), at most `_PUSH_ATTEMPTS` times.
+    """
+    manager = run.rollout_manager
+    for attempt in range(_PUSH_ATTEMPTS):
+        try:
+            return get_with_progress(manager, manager.generate.remote(rollout_id, run.dp_size))
+        except ray.exceptions.RayError as error:
+            if isinstance(error, ray.exceptions.RayActorError) or attempt == _PUSH_ATTEMPTS - 1:
+                raise
+            if not (run.args.use_fault_tolerance and run.actor is not None):
+                raise
+            waiting = ray.get(manager.engines_awaiting_weights.remote())
+            if not waiting:
+                raise
+            logger.warning(
+                "rollout %d failed while replaced engines %s waited for the current weights: pushing them and "
+                "generating it again", rollout_id, waiting,
+            )  # fmt: skip
+            update_weights(run)
+    raise AssertionError(f"rollout {rollout_id}: no attempt left")  # the last attempt returns or raises
 
 
 def train_one_rollout(run: TrainingRun, rollout_id: int, data_refs: list) -> dict[str, float]:
