@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import yaml
@@ -163,17 +163,7 @@ def eval_datasets(args) -> list[EvalDatasetConfig]:
     resolved = []
     for dataset in configured:
         values = {key: _first(getattr(dataset, key), default) for key, default in flag_values.items()}
-        resolved.append(
-            EvalDatasetConfig(
-                name=dataset.name,
-                path=dataset.path,
-                rm_type=dataset.rm_type,
-                custom_generate_function_path=dataset.custom_generate_function_path,
-                custom_rm_path=dataset.custom_rm_path,
-                metadata_overrides=dataset.metadata_overrides,
-                **values,
-            )
-        )
+        resolved.append(replace(dataset, **values))  # the fields without a flag stay as the dataset set them
     return resolved
 
 
