@@ -126,6 +126,30 @@ class JobProcessDied(RuntimeError):
     `--use-fault-tolerance` the driver restarts the job from its last checkpoint."""
 
 
+# How often a wait with a `peer` checks that the peer is alive.
+_PEER_CHECK_INTERVAL_S = 5.0
+
+
+def wait_while_alive(refs: list, peer: tuple[str, Any], what: str) -> None:
+    """Wait until every ref is ready, unless `peer` (`(name, actor)`) dies first: then raise JobProcessDied.
+
+    The peer is pinged every few seconds; a busy peer answers late and counts as alive meanwhile.
+    """
+    name, actor = peer
+    ping = actor.__ray_ready__.remote()
+    while len(ray.wait(refs, num_returns=len(refs), timeout=_PEER_CHECK_INTERVAL_S)[0]) < len(refs):
+        if not ray.wait([ping], timeout=0)[0]:
+            continue
+        try:
+            ray.get(ping)
+        except ray.exceptions.RayActorError as e:
+            raise JobProcessDied(
+                f"the {name} died during {what}; restart the run from the last checkpoint (--load), which "
+                "--use-fault-tolerance does on its own"
+            ) from e
+        ping = actor.__ray_ready__.remote()
+
+
 def _answers(actor) -> bool:
     """False only when the actor is dead (a live rank still busy in a collective counts as alive)."""
     try:
@@ -183,13 +207,18 @@ class RayTrainGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def wait(self, refs: list, what: str) -> list:
-        """`ray.get(refs)` of per-rank calls; a rank that died is named in a RuntimeError.
+    def wait(self, refs: list, what: str, peer: tuple[str, Any] | None = None) -> list:
+        """`ray.get(refs)` of per-rank calls; a rank that died is named in a JobProcessDied.
 
         Args:
             refs: One object ref per rank, in rank order.
             what: What the ranks were doing, for the message ("training on rollout 3").
+            peer: `(name, actor)` the ranks depend on while they work (the rollout manager, whose engines a weight
+                push sends to): checked every few seconds, its death also ends the wait, with a JobProcessDied. A
+                collective with a peer that is gone may otherwise wait out its 30-minute timeout.
         """
+        if peer is not None:
+            wait_while_alive(refs, peer, f"{what}, which the {self.role}'s ranks still wait on")
         try:
             return ray.get(refs)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
@@ -230,14 +259,23 @@ class RayTrainGroup:
         refs = [actor.save_model.remote(rollout_id, update_tracker) for actor in self.actors]
         self.wait(refs, f"saving rollout {rollout_id}")
 
-    def connect_rollout_engines(self, engines: list, engine_urls: list[str]) -> None:
-        ray.get([actor.connect_rollout_engines.remote(engines, engine_urls) for actor in self.actors])
+    def connect_rollout_engines(self, engines: list, engine_urls: list[str], rollout_manager: Any = None) -> None:
+        """Form the ranks' weight-update links with the engines (see `update_weights` for `rollout_manager`)."""
+        peer = ("rollout manager", rollout_manager) if rollout_manager is not None else None
+        refs = [actor.connect_rollout_engines.remote(engines, engine_urls) for actor in self.actors]
+        self.wait(refs, "connecting to the engines", peer)
 
-    def update_weights(self) -> None:
-        """Push the trainer's weights to the engines; a no-op under `--debug-train-only` (there are none)."""
+    def update_weights(self, rollout_manager: Any = None) -> None:
+        """Push the trainer's weights to the engines; a no-op under `--debug-train-only` (there are none).
+
+        Args:
+            rollout_manager: The engines' owner; if it dies during the push (its engines with it) the push ends
+                with a JobProcessDied rather than waiting on engines that are gone.
+        """
         if self.args.debug_train_only:
             return
-        self.wait([actor.update_weights.remote() for actor in self.actors], "a weight update")
+        peer = ("rollout manager", rollout_manager) if rollout_manager is not None else None
+        self.wait([actor.update_weights.remote() for actor in self.actors], "a weight update", peer)
 
     def check_weights_equal(self) -> float:
         """Largest gap between any engine's and the trainer's probe log-probs (raises past the tolerance)."""

@@ -112,13 +112,13 @@ def create_training_run(args) -> TrainingRun:
             ray.get(rollout_manager.load.remote(start_rollout_id - 1))
         engines, engine_urls = ray.get([rollout_manager.get_engines.remote(), rollout_manager.get_engine_urls.remote()])
         if engines:
-            actor.connect_rollout_engines(engines, engine_urls)
+            actor.connect_rollout_engines(engines, engine_urls, rollout_manager)
             if args.offload_train:
                 actor.offload()
             if args.offload_rollout:
                 ray.get(rollout_manager.onload.remote())
             if not engines_keep_base(args):
-                actor.update_weights()
+                actor.update_weights(rollout_manager)
                 weight_version = 1
                 ray.get(rollout_manager.set_trainer_weight_version.remote(weight_version))
     elif args.load:
@@ -206,6 +206,8 @@ def update_weights(run: TrainingRun) -> dict[str, float]:
         try:
             _push_weights(run, reconnect=bool(restarted) or attempt > 0)
             break
+        except JobProcessDied:  # a trainer rank or the rollout manager: no engine restart helps
+            raise
         except Exception:
             # An engine that died after the rollout's last request or during a push (also during the push made
             # again after a restart): restarted (with --use-fault-tolerance; the push is then made again, to every
@@ -226,8 +228,8 @@ def _push_weights(run: TrainingRun, reconnect: bool) -> None:
     if reconnect:  # restarted engines have new URLs and are in no weight-update link yet
         manager = run.rollout_manager
         engines, engine_urls = ray.get([manager.get_engines.remote(), manager.get_engine_urls.remote()])
-        run.actor.connect_rollout_engines(engines, engine_urls)
-    run.actor.update_weights()
+        run.actor.connect_rollout_engines(engines, engine_urls, run.rollout_manager)
+    run.actor.update_weights(run.rollout_manager)
 
 
 def save_checkpoint(run: TrainingRun, rollout_id: int) -> None:

@@ -379,9 +379,26 @@ _ABORTED_GROUPS_PER_FETCH = 4
 def prepare_for_return(args, groups: list[list[Sample]]) -> list[list[Sample]]:
     """Groups a rollout did not use (finished extras, aborted ones) as they go back to the data source: under
     `--partial-rollout` aborted samples keep their partial responses, everything else becomes a fresh prompt, so no
-    prompt is lost either way."""
+    prompt is lost either way. A group its generate function grew (several samples per prompt sample) goes back as
+    the prompt samples it was made from."""
     reset = _partial_or_fresh if args.partial_rollout else reset_to_prompt
-    return [[reset(s) for s in group] for group in groups]
+    returned = []
+    for group in groups:
+        if len(group) == args.n_samples_per_prompt:
+            returned.append([reset(s) for s in group])
+            continue
+        # A generate function that makes several samples of each prompt sample (upstream's multi_agent) made them
+        # from copies of the ones it was handed: those, one per index, are the prompts to put back.
+        by_index = {s.index: reset_to_prompt(s) for s in group}
+        if len(by_index) == args.n_samples_per_prompt:
+            returned.append(sorted(by_index.values(), key=lambda s: s.index))
+        else:
+            logger.warning(
+                "a finished group of %d samples (indices %s) is not %d prompt samples (--n-samples-per-prompt); "
+                "it cannot go back to the data source and is not reused",
+                len(group), sorted(by_index), args.n_samples_per_prompt,
+            )  # fmt: skip
+    return returned
 
 
 def _return_to_data_source(args, groups: list[list[Sample]], data_source) -> int:

@@ -92,6 +92,15 @@ def filler_rows(length: int, num_layers: int, top_k: int) -> torch.Tensor:
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+def has_topk_routers(model: nn.Module) -> bool:
+    """Whether `model` has the routers `HFRouters` hooks (Qwen-MoE / Mixtral / OLMoE style); DeepSeek-V3 and GLM-4.5
+    route inside their MoE block (grouped, biased top-k), which `HFRouters` does not replay."""
+    return any(
+        type(module).__name__.endswith("TopKRouter") and _LAYER_NUMBER.search(name + ".")
+        for name, module in model.named_modules()
+    )
+
+
 class HFRouters:
     """The top-k routers of a HuggingFace MoE model, hooked to record or replay their choices.
 

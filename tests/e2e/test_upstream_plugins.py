@@ -195,9 +195,6 @@ def test_train_py_runs_current_upstream_examples_routed_per_sample(tiny_model_di
     history = rollout_rows(save)
     assert [h["rollout_id"] for h in history] == [0, 1] and all("train/loss" in h for h in history)
     assert [h["rollout/dropped_samples"] for h in history] == [0, 0]  # one trainer rank: nothing to round off
-    # slime.observability's log reaches the row of the rollout that generated a search_r1 sample (rollout 0 always
-    # does: prompt 0 is one; a later one may reuse a group generated ahead and log nothing).
-    assert history[0]["search_r1/last_searches"] == 1
     assert history[0]["rollout/empty_groups"] == 1  # the unsolvable prompt's group was dropped, not an IndexError
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -208,6 +205,10 @@ def test_train_py_runs_current_upstream_examples_routed_per_sample(tiny_model_di
     groups: dict[tuple[int, int], list[str]] = {}  # (rollout, group) -> its samples' domains
     for rollout_id in (0, 1):
         samples = saved_samples(save, rollout_id)
+        if any(s.metadata["domain"] == "search_r1" for s in samples):
+            # slime.observability's log reached the row of the rollout that finished a search_r1 sample (which
+            # prompts a rollout finishes depends on the interleaving).
+            assert history[rollout_id]["search_r1/last_searches"] == 1
         for s in samples:
             domain = s.metadata["domain"]
             groups.setdefault((rollout_id, s.group_index), []).append(domain)
@@ -232,5 +233,6 @@ def test_train_py_runs_current_upstream_examples_routed_per_sample(tiny_model_di
     for domains_of_group in groups.values():
         (domain,) = set(domains_of_group)
         assert len(domains_of_group) == (2 * 2 if domain == "multi_agent" else 2)
-    # Rollout 0 always trains prompts 0 (search_r1) and 2 (retool); a multi_agent group, when kept, is checked above.
+    # Six groups kept from the eight solvable prompts (three of each of search_r1 and retool, two multi_agent) hold
+    # both of the first two domains; a multi_agent group, when kept, is checked above.
     assert {"search_r1", "retool"} <= {domains_of_group[0] for domains_of_group in groups.values()}

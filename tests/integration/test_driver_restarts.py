@@ -1,15 +1,19 @@
 """`run_driver`'s restart loop in this process, with a training function that fails the way a dead job process
 does (no cluster needed: the loop reacts to the exception, and a failed attempt that set nothing up has nothing
-to close). The end-to-end restarts from a real death are in tests/e2e/test_chaos.py."""
+to close), and the wait on training ranks that ends when a process they depend on dies (on the session's Ray
+cluster). The end-to-end restarts from a real death are in tests/e2e/test_chaos.py."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
+import ray
 from support.runs import small_run_flags, write_addition_prompts
 
-from slime.ray.actor_group import JobProcessDied
+from slime.ray.actor_group import JobProcessDied, wait_while_alive
 from slime.ray.driver import run_driver
 from slime.utils.job_reaper import PIDS_FILE_ENV
 
@@ -64,3 +68,29 @@ def test_other_failures_and_runs_without_the_flag_are_not_restarted(flags):
     # A bug in the training function is no death: restarting would only repeat it.
     attempts, last_line = attempts_of(ValueError("bad reward"), [*flags, "--use-fault-tolerance"])
     assert attempts == [(None, None)] and last_line == "slime: ValueError: bad reward"
+
+
+@ray.remote(num_cpus=0)
+class Sleeper:
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+@pytest.mark.reliability(
+    "the rollout manager dies while the trainer pushes weights to its engines (or connects to them)",
+    "the driver notices within seconds (JobProcessDied, restartable) instead of waiting out the collective's "
+    "30-minute timeout",
+)
+def test_a_peer_that_dies_ends_the_wait_on_ranks(ray_cluster):
+    rank, busy_peer, doomed_peer = Sleeper.remote(), Sleeper.remote(), Sleeper.remote()
+    busy_peer.sleep.remote(30)  # busy for longer than the wait: its ping answers late, which is not death
+    wait_while_alive([rank.sleep.remote(1)], ("busy peer", busy_peer), "a short call")
+
+    ref = rank.sleep.remote(60)
+    threading.Timer(1.0, ray.kill, args=(doomed_peer,)).start()
+    with pytest.raises(JobProcessDied, match="the rollout manager died during a weight update"):
+        wait_while_alive([ref], ("rollout manager", doomed_peer), "a weight update")
+    assert not ray.wait([ref], timeout=0)[0]  # it ended before the ranks' call did
+    for actor in (rank, busy_peer):
+        ray.kill(actor)

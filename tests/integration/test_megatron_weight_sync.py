@@ -98,6 +98,15 @@ def engine(tiny_model_dir):
         yield client_and_url
 
 
+@pytest.fixture(scope="module")
+def glm4_moe_engine(tmp_path_factory):
+    """A GLM-4.5 MoE model (support.tiny_model) and an engine serving it: fused experts on the engine, one tensor
+    per expert from the trainer, the router's bias, shared experts."""
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("glm4_moe"), arch="glm4_moe")
+    with cpu_engine_process(model_dir) as client_and_url:
+        yield (model_dir, *client_and_url)
+
+
 @pytest.mark.parametrize(
     "world_size, extra",
     [(1, ()), (2, ("--pipeline-model-parallel-size", "2")), (2, ("--tensor-model-parallel-size", "2"))],
@@ -106,8 +115,18 @@ def engine(tiny_model_dir):
 def test_update_weights_makes_engine_match_trainer(tiny_model_dir, engine, world_size, extra):
     client, url = engine
     client.update_weights_from_disk(str(tiny_model_dir), weight_version="default")  # undo earlier tests' updates
-    results = run_in_processes(_sync_worker, world_size, args=(str(tiny_model_dir), url, extra))
-    hf_names = set(load_file(str(Path(tiny_model_dir) / "model.safetensors")))
+    check_updates(tiny_model_dir, run_in_processes(_sync_worker, world_size, args=(str(tiny_model_dir), url, extra)))
+
+
+def test_a_glm4_moe_update_makes_engine_match_trainer(glm4_moe_engine):
+    model_dir, _, url = glm4_moe_engine
+    check_updates(model_dir, run_in_processes(_sync_worker, 1, args=(str(model_dir), url, ())))
+
+
+def check_updates(model_dir, results: list[dict]) -> None:
+    """Both updates reached the engine whole, and the engine and every rank compute what HF computes with the
+    trainer's weights."""
+    hf_names = set(load_file(str(Path(model_dir) / "model.safetensors")))
     first = results[0]["updates"]
     for version, (transport, update) in enumerate(zip(TRANSPORTS, first, strict=True), start=1):
         # Every rank (each pipeline stage included) exports the same whole model.
@@ -125,7 +144,7 @@ def test_update_weights_makes_engine_match_trainer(tiny_model_dir, engine, world
         assert all(not other["updates"][version - 1]["names"] for other in results[1:])
         assert all(not other["updates"][version - 1]["tensor_counts"] for other in results[1:])
 
-        expected = plain_prompt_log_probs(hf_model_with(tiny_model_dir, update["hf"]), PROBE)
+        expected = plain_prompt_log_probs(hf_model_with(model_dir, update["hf"]), PROBE)
         stale_gap = (update["stale"] - expected).abs().max().item()
         engine_gap = (update["engine"] - expected).abs().max().item()
         trainer_gap = (update["trainer"] - expected).abs().max().item()

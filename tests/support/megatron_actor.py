@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 VOCAB = 320  # the tiny model's vocabulary (support/tiny_model.py)
@@ -50,8 +54,12 @@ def new_megatron_actor(rank: int, world_size: int, args):
 
 
 def hf_model_with(model_dir, state: dict[str, torch.Tensor]):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected, unexpected
-    assert all("rotary" in name for name in missing), missing
-    return model
+    """The HF model of `model_dir` with `state` (HF checkpoint names) as its weights, loaded the way transformers
+    loads a checkpoint: it fuses per-expert MoE tensors itself, so the reference does not share slime's mapping."""
+    with tempfile.TemporaryDirectory() as folder:
+        shutil.copy(Path(model_dir) / "config.json", folder)
+        save_file({name: tensor.contiguous() for name, tensor in state.items()}, f"{folder}/model.safetensors")
+        model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not info["unexpected_keys"], info["unexpected_keys"]
+    assert all("rotary" in name for name in info["missing_keys"]), info["missing_keys"]
+    return model.eval()

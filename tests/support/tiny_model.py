@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Glm4MoeConfig,
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen3Config,
@@ -68,7 +69,12 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     seed: int = 0,
 ) -> Path:
-    """Save a random-weight `arch` ("llama", "qwen3" or "qwen3_moe": 8 experts, top 2) model and its tokenizer to `path`."""
+    """Save a random-weight `arch` model and its tokenizer to `path`.
+
+    `arch`: "llama", "qwen3", "qwen3_moe" (8 experts, top 2) or "glm4_moe" (GLM-4.5: layer 0 dense, then 8 routed
+    experts in 2 groups, 2 per token from the better group, plus a shared expert; rotary on half of each head; QKV
+    bias, q/k norms; random biases, norms and router bias, so a layout or routing error shows in the logits).
+    """
     path = Path(path)
     tokenizer = build_tokenizer()
     common = dict(
@@ -98,15 +104,33 @@ def build_tiny_model(
             norm_topk_prob=True,
             **common,
         )
+    elif arch == "glm4_moe":
+        common.pop("rope_theta")
+        config = Glm4MoeConfig(
+            head_dim=hidden_size // num_heads, moe_intermediate_size=hidden_size // 2, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+            num_nextn_predict_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            **common,
+        )  # fmt: skip
     else:
-        raise ValueError(f"unknown arch {arch!r}; use 'llama', 'qwen3' or 'qwen3_moe'")
+        raise ValueError(f"unknown arch {arch!r}; use 'llama', 'qwen3', 'qwen3_moe' or 'glm4_moe'")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger-than-default init so attention is far from uniform and RoPE/positional errors show in logits.
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() >= 2:  # MoE experts are 3-D
-                param.normal_(0.0, 0.2)
+                decisive_routing = arch == "glm4_moe" and name.endswith("mlp.gate.weight")
+                param.normal_(0.0, 0.5 if decisive_routing else 0.2)
+            elif arch == "glm4_moe" and name.endswith("proj.bias"):
+                param.normal_(0.0, 0.5)
+            elif arch == "glm4_moe":  # RMSNorms: distinct weights, so a swapped or skipped norm shows
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn_like(buffer))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path, safe_serialization=True)

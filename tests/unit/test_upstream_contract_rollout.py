@@ -371,6 +371,19 @@ def test_abort_stops_queued_requests_and_returns_the_groups(rollout_args):
     assert state.pendings == set()
 
 
+def test_a_group_its_generate_function_grew_goes_back_as_its_prompt_samples(caplog):
+    args = Namespace(n_samples_per_prompt=2, partial_rollout=False)
+    # multi_agent's shape: two agents' samples from each of the group's two prompt samples (index 4 and 5)
+    grown = [Sample(index=4 + k // 2, group_index=2, prompt="p", tokens=[1, 2], response="r", response_length=1,
+                    reward=1.0, status=Status.COMPLETED) for k in range(4)]  # fmt: skip
+    renumbered = [Sample(index=7, group_index=3, prompt="q", status=Status.COMPLETED) for _ in range(3)]
+    with caplog.at_level(logging.WARNING):
+        returned = sglang_rollout.prepare_for_return(args, [grown, renumbered])
+    assert [[s.index for s in g] for g in returned] == [[4, 5]]
+    assert all(s.status is Status.PENDING and s.tokens == [] and s.reward is None for s in returned[0])
+    assert "indices [7]" in caplog.text  # the group that cannot be told apart is named, not put back
+
+
 def test_eval_rollout_and_get_model_url(rollout_args):
     args = rollout_args()
     output, returned = asyncio.run(sglang_rollout.eval_rollout(args, 5))

@@ -36,7 +36,7 @@ from slime.backends.cpu_engine.lora import LoraAdapter, LoraStore
 from slime.backends.cpu_engine.protocol import GenerationRequest, RequestError
 from slime.backends.cpu_engine.sampling import sample_next_tokens
 from slime.backends.cpu_engine.vision import Vision, load_vision
-from slime.utils.moe_routing import HFRouters, routing_shape
+from slime.utils.moe_routing import HFRouters, has_topk_routers, routing_shape
 from slime.utils.processing_utils import is_vision_language
 from slime.utils.weight_transport import MappedSegments
 
@@ -132,7 +132,8 @@ class CpuEngine:
         )
         self.weight_version = "default"
         # MoE models: the routers' choices, for requests with return_routed_experts
-        self.routers = HFRouters(self.model, text_config.num_hidden_layers) if routing_shape(config) else None
+        reports_routing = routing_shape(config) is not None and has_topk_routers(self.model)
+        self.routers = HFRouters(self.model, text_config.num_hidden_layers) if reports_routing else None
         self.lora = (
             LoraStore(self.model, max_lora_rank, lora_target_modules, max_loras_per_batch, max_loaded_loras)
             if enable_lora
@@ -189,8 +190,8 @@ class CpuEngine:
                 )
             if self.routers is None and any(r.return_routed_experts for r in requests):
                 raise RequestError(
-                    "return_routed_experts: this model has no MoE router to report; drop the field "
-                    "(and --use-rollout-routing-replay) for dense models"
+                    "return_routed_experts: this model has no top-k MoE router the CPU engine reports (dense "
+                    "models; DeepSeek-V3 / GLM-4.5 grouped routers); drop the field (and --use-rollout-routing-replay)"
                 )
             taken = [r.rid for r in requests if r.rid in self._active]
             if taken:

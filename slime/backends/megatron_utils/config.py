@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from slime.utils.device import cuda_available
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4", "deepseek_v3", "mimo")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4", "glm4_moe", "deepseek_v3", "mimo")
 
 # Accepted spellings (after lower-casing and "-"/"." -> "_") and HF `model_type`s, per family.
 _FAMILY_ALIASES = {
@@ -37,6 +37,10 @@ _FAMILY_ALIASES = {
     "qwen3_moe": "qwen3_moe",
     "qwen3moe": "qwen3_moe",
     "glm4": "glm4",
+    "glm4_moe": "glm4_moe",
+    "glm4_5": "glm4_moe",
+    "glm4_6": "glm4_moe",
+    "glm4_7": "glm4_moe",
     "deepseek_v3": "deepseek_v3",
     "deepseekv3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
@@ -132,9 +136,29 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
 def _partial_rotary_factor(config: dict[str, Any], family: str) -> float:
     """Share of each head that is rotated: top level in hub configs, inside `rope_parameters` in transformers 5."""
     params = config.get("rope_parameters") or {}
-    # GLM-4 configs may omit it; transformers' Glm4Config then rotates half of each head.
-    default = 0.5 if family == "glm4" else 1.0
+    # GLM-4 configs may omit it; transformers' Glm4Config / Glm4MoeConfig then rotate half of each head.
+    default = 0.5 if family in ("glm4", "glm4_moe") else 1.0
     return float(config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or default)
+
+
+def _deepseek_style_moe(c: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's MoE (GLM-4.5 has it too): the first `first_k_dense_replace` layers dense, then sigmoid-scored
+    routed experts picked with a bias (noaux_tc) within the best groups, weighted by their normalized scores times
+    `routed_scaling_factor`, plus always-on shared experts."""
+    first_dense = c.get("first_k_dense_replace", 0)
+    return dict(
+        num_experts=c["n_routed_experts"],
+        moe_router_topk=c["num_experts_per_tok"],
+        moe_ffn_hidden_size=c["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=c["moe_intermediate_size"] * c.get("n_shared_experts", 1),
+        moe_layer_freq=[0] * first_dense + [1] * (c["num_hidden_layers"] - first_dense),
+        moe_router_score_function=c.get("scoring_func", "sigmoid"),
+        moe_router_pre_softmax=True,
+        moe_router_enable_expert_bias=c.get("topk_method", "noaux_tc") == "noaux_tc",
+        moe_router_topk_scaling_factor=c.get("routed_scaling_factor", 1.0),
+        moe_router_num_groups=c.get("n_group", 1),
+        moe_router_group_topk=c.get("topk_group", 1),
+    )
 
 
 def config_from_hf(hf_config: Any) -> argparse.Namespace:
@@ -201,8 +225,10 @@ def config_from_hf(hf_config: Any) -> argparse.Namespace:
             moe_router_score_function="softmax",
             moe_layer_freq=[int(i not in dense and (i + 1) % every == 0) for i in range(c["num_hidden_layers"])],
         )
+    if family == "glm4_moe":
+        # GLM-4.5/4.6/4.7: GQA attention (rotating the first half of each head, Llama-style), DeepSeek-V3's MoE.
+        flags.update(qk_layernorm=bool(c.get("use_qk_norm", False)), **_deepseek_style_moe(c))
     if family == "deepseek_v3":
-        first_dense = c.get("first_k_dense_replace", 0)
         flags.update(
             group_query_attention=False,
             num_query_groups=heads,
@@ -214,17 +240,7 @@ def config_from_hf(hf_config: Any) -> argparse.Namespace:
             qk_pos_emb_head_dim=c["qk_rope_head_dim"],
             v_head_dim=c["v_head_dim"],
             qk_layernorm=True,
-            num_experts=c["n_routed_experts"],
-            moe_router_topk=c["num_experts_per_tok"],
-            moe_ffn_hidden_size=c["moe_intermediate_size"],
-            moe_shared_expert_intermediate_size=c["moe_intermediate_size"] * c.get("n_shared_experts", 1),
-            moe_layer_freq=[0] * first_dense + [1] * (c["num_hidden_layers"] - first_dense),
-            moe_router_score_function=c.get("scoring_func", "sigmoid"),
-            moe_router_pre_softmax=True,
-            moe_router_enable_expert_bias=c.get("topk_method", "noaux_tc") == "noaux_tc",
-            moe_router_topk_scaling_factor=c.get("routed_scaling_factor", 1.0),
-            moe_router_num_groups=c.get("n_group", 1),
-            moe_router_group_topk=c.get("topk_group", 1),
+            **_deepseek_style_moe(c),
         )
         if scaling is not None:
             flags.update(
