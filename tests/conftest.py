@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # `support` (the shared helpers) and the dotted plugin paths tests pass
@@ -41,6 +42,24 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random-weight Llama with a byte-level BPE tokenizer and chat template, built once per session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory) -> Path:
+    """A tiny random-weight Qwen2.5-VL with tokenizer and image processor (support.tiny_vlm), built once per session.
+    Tests only read it: one that changes the folder works on its own copy."""
+    from support.tiny_vlm import build_tiny_vlm  # here, not at the top: its imports cost every session ~1 s
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def destroy_process_group_after_module():
+    """For files whose in-process trainers share one gloo default group: leave none behind for other test files.
+    Requested with `pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")`."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

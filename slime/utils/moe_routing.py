@@ -92,21 +92,29 @@ def filler_rows(length: int, num_layers: int, top_k: int) -> torch.Tensor:
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+def _layer_routers(model: nn.Module) -> dict[int, nn.Module]:
+    """The `*TopKRouter` / `*TopkRouter` module of each layer, by layer number."""
+    found = {}
+    for name, module in model.named_modules():
+        match = _LAYER_NUMBER.search(name + ".")
+        if match and type(module).__name__.lower().endswith("topkrouter"):
+            found[int(match.group(1))] = module
+    return found
+
+
 def has_topk_routers(model: nn.Module) -> bool:
-    """Whether `model` has the routers `HFRouters` hooks (Qwen-MoE / Mixtral / OLMoE style); DeepSeek-V3 and GLM-4.5
-    route inside their MoE block (grouped, biased top-k), which `HFRouters` does not replay."""
-    return any(
-        type(module).__name__.endswith("TopKRouter") and _LAYER_NUMBER.search(name + ".")
-        for name, module in model.named_modules()
-    )
+    """Whether `model` has routers `HFRouters` can hook."""
+    return bool(_layer_routers(model))
 
 
 class HFRouters:
     """The top-k routers of a HuggingFace MoE model, hooked to record or replay their choices.
 
-    A router here is a module named `*TopKRouter` that returns (logits, weights, experts) for the flattened
-    tokens, weights being softmax(logits) at the chosen experts, renormalized unless `norm_topk_prob` is false.
-    The first replay through each router checks that rule against the router's own choice.
+    A router here is a module named `*TopKRouter` (or `*TopkRouter`) that returns (logits, weights, experts) for the
+    flattened tokens, weights being softmax(logits) at the chosen experts, renormalized unless `norm_topk_prob` is
+    false (Qwen-MoE, Mixtral, OLMoE); or, for a router with an `e_score_correction_bias` (DeepSeek-V3, GLM-4.5),
+    sigmoid(logits) at the chosen experts, renormalized likewise, times `routed_scaling_factor`. The first replay
+    through each router checks that rule against the router's own choice.
 
     Args:
         model: The model (or an FSDP-wrapped one).
@@ -117,11 +125,7 @@ class HFRouters:
     """
 
     def __init__(self, model: nn.Module, num_layers: int):
-        found: dict[int, nn.Module] = {}
-        for name, module in model.named_modules():
-            match = _LAYER_NUMBER.search(name + ".")
-            if match and type(module).__name__.endswith("TopKRouter"):
-                found[int(match.group(1))] = module
+        found = _layer_routers(model)
         if not found:
             raise ValueError(
                 f"{type(model).__name__} has no top-k MoE router (a module named *TopKRouter under layers.N); "
@@ -152,8 +156,8 @@ class HFRouters:
                 if not torch.allclose(mine, weights, rtol=1e-4, atol=1e-6):
                     raise ValueError(
                         f"routing replay does not know how {type(module).__name__} weighs its experts "
-                        "(softmax over the logits at the chosen experts, renormalized); it supports the "
-                        "Qwen-MoE / Mixtral / OLMoE routers"
+                        "(softmax over the logits, or a scaled sigmoid, at the chosen experts, renormalized); it "
+                        "supports the Qwen-MoE / Mixtral / OLMoE / DeepSeek-V3 / GLM-4.5 routers"
                     )
                 self._checked.add(layer)
             return logits, _expert_weights(module, logits, target, weights.dtype), target
@@ -170,6 +174,11 @@ class HFRouters:
 
 
 def _expert_weights(router: nn.Module, logits: torch.Tensor, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if hasattr(router, "e_score_correction_bias"):  # the bias only picks experts; the weights are the plain scores
+        weights = torch.sigmoid(logits.float()).gather(1, experts.long())
+        if router.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * router.routed_scaling_factor).to(dtype)
     weights = torch.softmax(logits.float(), dim=-1).gather(1, experts.long())
     if getattr(router, "norm_topk_prob", True):
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -10,11 +10,10 @@ import subprocess
 import sys
 
 from support.runs import REPO, run_training, saved_samples, small_run_flags
-from support.tiny_vlm import build_tiny_vlm
 
 
-def test_train_py_trains_a_vision_language_model(tmp_path):
-    model = build_tiny_vlm(tmp_path / "tiny_vlm")
+def test_train_py_trains_a_vision_language_model(tmp_path, tiny_vlm_dir):
+    model = tiny_vlm_dir
     data = tmp_path / "geo3k_synth"
     subprocess.run(
         [sys.executable, "examples/geo3k_vlm/synth_data.py", "--out", str(data), "--train", "8", "--test", "2",

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from support.engines import engine_server, router_args, router_for
-from support.tiny_vlm import build_tiny_vlm, make_image, png_base64
+from support.tiny_vlm import make_image, png_base64
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from slime.backends.cpu_engine.protocol import RequestError, parse_generate_request
@@ -26,29 +26,24 @@ IMAGES = [make_image(60, 50, seed=1), make_image(90, 40, seed=2)]
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl")
-
-
-@pytest.fixture(scope="module")
-def server(vlm_dir):
-    with engine_server(vlm_dir, "--max-running-requests", "8") as (_, url):
+def server(tiny_vlm_dir):
+    with engine_server(tiny_vlm_dir, "--max-running-requests", "8") as (_, url):
         yield url
 
 
 @pytest.fixture(scope="module")
-def ref_model(vlm_dir):
-    return AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+def ref_model(tiny_vlm_dir):
+    return AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(vlm_dir):
-    return AutoTokenizer.from_pretrained(vlm_dir)
+def tokenizer(tiny_vlm_dir):
+    return AutoTokenizer.from_pretrained(tiny_vlm_dir)
 
 
 @pytest.fixture(scope="module")
-def image_processor(vlm_dir):
-    return AutoImageProcessor.from_pretrained(vlm_dir)
+def image_processor(tiny_vlm_dir):
+    return AutoImageProcessor.from_pretrained(tiny_vlm_dir)
 
 
 def chat_ids(tokenizer, images: int, question: str = "what is 1+2?") -> list[int]:
@@ -222,18 +217,18 @@ def test_text_only_engines_refuse_image_data(tiny_model_dir):
 
 
 def test_weight_update_by_checkpoint_names_reaches_the_vision_tower(
-    server, vlm_dir, ref_model, image_processor, tokenizer, tmp_path
+    server, tiny_vlm_dir, ref_model, image_processor, tokenizer, tmp_path
 ):
     """A push named as the checkpoint stores the weights (`visual.*`, `model.layers.*`) changes every parameter,
     the vision tower's included; /update_weights_from_disk puts the checkpoint back."""
-    with safe_open(vlm_dir / "model.safetensors", "pt") as reader:
+    with safe_open(tiny_vlm_dir / "model.safetensors", "pt") as reader:
         saved = {name: reader.get_tensor(name) for name in reader.keys()}
     assert any(name.startswith("visual.") for name in saved)
     generator = torch.Generator().manual_seed(7)
     perturbed = {name: t + 0.05 * torch.randn(t.shape, generator=generator) for name, t in saved.items()}
     # The reference: the perturbed checkpoint, loaded by transformers (which maps the saved names itself).
     changed_dir = tmp_path / "perturbed"
-    shutil.copytree(vlm_dir, changed_dir)
+    shutil.copytree(tiny_vlm_dir, changed_dir)
     save_file(perturbed, changed_dir / "model.safetensors", metadata={"format": "pt"})
     changed = AutoModelForImageTextToText.from_pretrained(changed_dir, dtype=torch.float32).eval()
     prompt, images = chat_ids(tokenizer, 1), [png_base64(IMAGES[0])]
@@ -248,7 +243,7 @@ def test_weight_update_by_checkpoint_names_reaches_the_vision_tower(
     expected, _ = hf_log_probs(changed, image_processor, prompt, output, [IMAGES[0]])
     torch.testing.assert_close(log_probs, expected, atol=1e-4, rtol=0)
 
-    response = requests.post(f"{server}/update_weights_from_disk", json={"model_path": str(vlm_dir)}, timeout=120)
+    response = requests.post(f"{server}/update_weights_from_disk", json={"model_path": str(tiny_vlm_dir)}, timeout=120)
     assert response.status_code == 200, response.text
     restored, log_probs = tokens_and_log_probs(sample(server, prompt, images, temperature=0))
     assert restored == before

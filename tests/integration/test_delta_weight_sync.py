@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from support.fsdp import make_rollout
 
 from slime.backends.cpu_engine import ServerArgs, launch_server
@@ -27,11 +26,7 @@ DRIFTED = "model.layers.1.mlp.down_proj.weight"
 CORRUPT: list[bool] = []  # set by a test: the post-write hook damages the next delta's payload
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 @pytest.fixture

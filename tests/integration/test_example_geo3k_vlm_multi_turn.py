@@ -12,13 +12,11 @@ import random
 import sys
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 from support.engines import cpu_engine_process
 from support.fsdp import make_args
 from support.runs import REPO
-from support.tiny_vlm import build_tiny_vlm
 from support.vlm_reference import hf_log_probs
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
@@ -30,11 +28,6 @@ sys.path[:0] = [str(EXAMPLE), str(REPO / "examples" / "geo3k_vlm")]
 import env_geo3k  # noqa: E402
 import rollout  # noqa: E402
 import synth_data  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl")
 
 
 def expected_zoom(image: Image.Image) -> Image.Image:
@@ -56,9 +49,9 @@ def test_the_environment_ends_on_the_right_answer_and_zooms_otherwise():
     assert not np.array_equal(np.asarray(zoomed), np.asarray(picture))
 
 
-def test_generate_sends_the_zoomed_picture_and_the_samples_are_consistent(vlm_dir, tmp_path):
+def test_generate_sends_the_zoomed_picture_and_the_samples_are_consistent(tiny_vlm_dir, tmp_path):
     synth_data.main(["--out", str(tmp_path), "--train", "2", "--test", "1", "--size", "56"])
-    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm_dir)
     source = tmp_path / "train.jsonl"
     dataset = Dataset(
         [json.loads(line) for line in source.read_text().splitlines()], tokenizer, source=str(source),
@@ -69,8 +62,8 @@ def test_generate_sends_the_zoomed_picture_and_the_samples_are_consistent(vlm_di
         sample.index = i
     # Every token stops a turn: each turn is one token and ends COMPLETED, so only --max-turns ends the episode.
     params = {"temperature": 1.0, "max_new_tokens": 8, "stop_token_ids": list(range(len(tokenizer)))}
-    with cpu_engine_process(vlm_dir) as (_, url):
-        args = make_args(vlm_dir, "--max-turns", "2", num_samples=4)
+    with cpu_engine_process(tiny_vlm_dir) as (_, url):
+        args = make_args(tiny_vlm_dir, "--max-turns", "2", num_samples=4)
         host, port = url.removeprefix("http://").rsplit(":", 1)
         args.sglang_router_ip, args.sglang_router_port = host, int(port)
 
@@ -78,8 +71,8 @@ def test_generate_sends_the_zoomed_picture_and_the_samples_are_consistent(vlm_di
             return await asyncio.gather(*(rollout.generate(args, s, dict(params)) for s in samples))
 
         samples = asyncio.run(run())
-    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
-    processor = AutoImageProcessor.from_pretrained(vlm_dir)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir, dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(tiny_vlm_dir)
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     for sample in samples:
         picture, zoomed = sample.multimodal_inputs["images"]

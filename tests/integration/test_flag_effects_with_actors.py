@@ -33,12 +33,7 @@ MODULE = __name__
 SFT = ("--loss-type", "sft_loss", "--lr", "1e-2")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    """The in-process trainers share one gloo default group; leave none behind for other test files."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 def same_weights(a: dict, b: dict) -> bool:

@@ -9,7 +9,6 @@ import random
 import pytest
 import ray
 import torch
-import torch.distributed as dist
 from support.engines import cpu_engine_process
 from support.fsdp import make_rollout, plain_response_log_probs
 from transformers import AutoModelForCausalLM
@@ -29,12 +28,7 @@ CAPTURED: dict[int, dict] = {}
 CALLS: dict[str, list] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    """The in-process trainers share one gloo default group; leave none behind for other test files."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from support.fsdp import (
     CAPTURE_HOOK,
     CAPTURED,
@@ -37,13 +36,7 @@ from slime.utils.http_utils import find_free_port
 from slime.utils.micro_batches import group_samples
 from slime.utils.ppo_utils import compute_log_probs
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    """The in-process trainers share one gloo default group; leave none behind for other test files."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from support.fsdp import CAPTURE_HOOK, CAPTURED, base_flags, make_rollout, plain_response_log_probs
 from support.ranks import spawn_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -20,13 +19,7 @@ from slime.backends.fsdp_utils.model import gather_full_state_dict, response_log
 from slime.utils.arguments import parse_args
 from slime.utils.http_utils import find_free_port
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    """The in-process trainers share one gloo default group; leave none behind for other test files."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 def make_args(model_dir, save_dir, *extra: str):

@@ -14,7 +14,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from support.engines import cpu_engine_process, engine_prompt_log_probs
@@ -37,12 +36,7 @@ LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "5e-2"]
 SFT = ["--loss-type", "sft_loss"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    """The in-process trainers share one gloo default group; leave none behind for other test files."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 def adapter_of(actor) -> dict[str, torch.Tensor]:

@@ -14,10 +14,9 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from support.engines import cpu_engine_process
 from support.fsdp import make_args, new_actor
-from support.tiny_vlm import build_tiny_vlm, make_image
+from support.tiny_vlm import make_image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from slime.backends.fsdp_utils.model import gather_full_state_dict
@@ -30,20 +29,11 @@ PROMPTS = ["<image>How many sides?", "What is shown? <image>", "<image>How many 
 MULTIMODAL = ("--multimodal-keys", '{"image": "images"}')
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl")
-
-
-def rollout_args(vlm_dir, url: str, *extra: str):
-    args = make_args(vlm_dir, *MULTIMODAL, "--lr", "3e-2", *extra, num_samples=6)
+def rollout_args(tiny_vlm_dir, url: str, *extra: str):
+    args = make_args(tiny_vlm_dir, *MULTIMODAL, "--lr", "3e-2", *extra, num_samples=6)
     host, port = url.removeprefix("http://").rsplit(":", 1)
     args.sglang_router_ip, args.sglang_router_port = host, int(port)
     return args
@@ -77,10 +67,10 @@ def train_data(args, samples) -> dict:
 
 
 @pytest.fixture(scope="module")
-def rollout(vlm_dir):
-    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
-    with cpu_engine_process(vlm_dir) as (_, url):
-        args = rollout_args(vlm_dir, url)
+def rollout(tiny_vlm_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm_dir)
+    with cpu_engine_process(tiny_vlm_dir) as (_, url):
+        args = rollout_args(tiny_vlm_dir, url)
         return args, generate_samples(args, tokenizer)
 
 
@@ -98,10 +88,10 @@ def hf_log_probs(model, processor, sample) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, ids[0, -sample.response_length :, None])[:, 0]
 
 
-def test_rollout_sends_expanded_prompts_and_the_trainer_inputs(vlm_dir, rollout):
+def test_rollout_sends_expanded_prompts_and_the_trainer_inputs(tiny_vlm_dir, rollout):
     _, samples = rollout
-    processor = AutoImageProcessor.from_pretrained(vlm_dir)
-    image_id = AutoModelForImageTextToText.from_pretrained(vlm_dir).config.image_token_id
+    processor = AutoImageProcessor.from_pretrained(tiny_vlm_dir)
+    image_id = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).config.image_token_id
     for sample in samples:
         grid = processor(images=sample.multimodal_inputs["images"], return_tensors="pt")["image_grid_thw"]
         assert sample.tokens.count(image_id) == int(grid.prod(-1).sum()) // 4 > 1
@@ -110,7 +100,7 @@ def test_rollout_sends_expanded_prompts_and_the_trainer_inputs(vlm_dir, rollout)
 
 
 @pytest.mark.parametrize("layout", ["sdpa", "flash_attention_2"], ids=["shared-prompt-rows", "one-packed-row"])
-def test_trainer_log_probs_equal_the_engines(vlm_dir, rollout, layout):
+def test_trainer_log_probs_equal_the_engines(tiny_vlm_dir, rollout, layout):
     args, samples = rollout
     args = copy.copy(args)
     args.micro_batch_size = len(samples)  # one micro-batch: prompts 0 and 2 (same tokens, other pixels) side by side
@@ -121,8 +111,8 @@ def test_trainer_log_probs_equal_the_engines(vlm_dir, rollout, layout):
     log_probs = actor._forward_log_probs(actor._micro_batches(data), len(samples))
     gap = max((ours - torch.tensor(s.rollout_log_probs)).abs().max().item() for ours, s in zip(log_probs, samples))
     assert gap <= 1e-4, gap
-    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
-    processor = AutoImageProcessor.from_pretrained(vlm_dir)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir, dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(tiny_vlm_dir)
     for ours, sample in zip(log_probs, samples):
         torch.testing.assert_close(ours, hf_log_probs(model, processor, sample), atol=1e-4, rtol=0)
     # Prompts 0 and 2 share their text and image size: their pixels alone make their log-probs differ.
@@ -147,12 +137,12 @@ def test_vision_tower_is_frozen_by_default(rollout):
     assert not torch.equal(language_before, gather_full_state_dict(actor.model)["lm_head.weight"])
 
 
-def test_trained_vision_tower_reaches_the_engine(vlm_dir, rollout):
+def test_trained_vision_tower_reaches_the_engine(tiny_vlm_dir, rollout):
     """--train-vision-tower moves the vision tower; after the push the engine scores the rollout as the trainer."""
     _, samples = rollout
-    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
-    with cpu_engine_process(vlm_dir) as (client, url):
-        args = rollout_args(vlm_dir, url, "--train-vision-tower", "--colocate")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm_dir)
+    with cpu_engine_process(tiny_vlm_dir) as (client, url):
+        args = rollout_args(tiny_vlm_dir, url, "--train-vision-tower", "--colocate")
         actor = new_actor(args)
         before = vision_weights(actor)
         actor.train(0, train_data(args, samples))

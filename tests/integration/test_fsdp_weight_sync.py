@@ -22,12 +22,7 @@ from slime.utils.arguments import parse_args
 PROBE = [5, 17, 42, 99, 123, 7, 250, 31, 64, 12, 200, 3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    """The in-process trainers share one gloo default group; leave none behind for other test files."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 @pytest.fixture

@@ -231,9 +231,12 @@ def test_tied_output_layer_maps_to_the_embedding():
 
 def test_unknown_family_names_it_and_the_supported_ones():
     with pytest.raises(ValueError) as error:
-        resolve_family("gpt-oss")
-    assert "'gpt-oss'" in str(error.value)
+        resolve_family("mamba")
+    assert "'mamba'" in str(error.value)
     assert all(family in str(error.value) for family in SUPPORTED_FAMILIES)
+    # A family transformers has but slime's Megatron does not build yet says why, and what to use instead.
+    with pytest.raises(ValueError, match="does not build gpt_oss models yet: they have attention sinks.*fsdp"):
+        resolve_family("gpt-oss")
 
 
 def test_family_aliases():
@@ -417,10 +420,10 @@ def test_tool_rejects_an_unknown_family(tmp_path, tiny_model_dir):
     # One run exactly as a user types it: a fresh interpreter, the repository on PYTHONPATH.
     result = run_tool_in_a_fresh_interpreter(
         "convert_hf_to_torch_dist.py", "--hf-checkpoint", str(tiny_model_dir), "--save", str(tmp_path / "x"),
-        "--model-name", "gpt-oss",
+        "--model-name", "mamba",
     )  # fmt: skip
     assert result.returncode != 0
-    assert "unknown model family 'gpt-oss'" in result.stderr and "qwen3" in result.stderr
+    assert "unknown model family 'mamba'" in result.stderr and "qwen3" in result.stderr
     assert not (tmp_path / "x").exists()
 
 

@@ -16,11 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.moe import NUM_LAYERS, TOP_K, hf_routing
+from support.tiny_model import build_tiny_model
+from transformers import AutoModelForCausalLM
 
 from slime.backends.cpu_engine.engine import CpuEngine
 from slime.backends.cpu_engine.protocol import RequestError, build_generate_response, parse_generate_request
 from slime.utils.arguments import ArgumentValidationError, parse_args
-from slime.utils.moe_routing import decode_routed_experts, routing_shape
+from slime.utils.moe_routing import HFRouters, decode_routed_experts, routing_shape
 
 
 def _generate(engine: CpuEngine, body: dict) -> list:
@@ -224,3 +226,26 @@ def test_flag_refused_where_it_cannot_work(tiny_model_dir, moe_dir):
         )
     assert routing_shape({"num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2}) == (2, 2)
     assert routing_shape({"num_hidden_layers": 2}) is None
+
+
+def test_glm4_moe_routers_are_recorded_and_replayed(tmp_path):
+    """GLM-4.5's router (DeepSeek-V3's: sigmoid scores, a bias that only picks, grouped top-k, scaled weights):
+    replaying what it picked reproduces the forward; other experts change it."""
+    model_dir = build_tiny_model(tmp_path, arch="glm4_moe", num_layers=3)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    routers = HFRouters(model, 3)
+    tokens = torch.randint(10, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(tokens).logits
+    routed = routers.take()
+    assert routers.layers == [1, 2] and routed.shape == (12, 3, 2)  # layer 0 is dense
+    assert (routed[:, 1:] < 8).all() and (routed[:, 0] == 0).all()
+
+    routers.replay = routed.long()
+    with torch.no_grad():
+        replayed = model(tokens).logits  # the first replay also checks the weights' rule against the router's
+    assert torch.allclose(replayed, plain, atol=1e-5)
+    routers.replay = (routed.long() + 1) % 8
+    with torch.no_grad():
+        moved = model(tokens).logits
+    assert (moved - plain).abs().max() > 1e-2

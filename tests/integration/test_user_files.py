@@ -12,7 +12,6 @@ from argparse import Namespace
 import pytest
 import ray
 import torch
-import torch.distributed as dist
 from support.fsdp import base_flags, make_rollout
 from transformers import AutoModelForCausalLM
 
@@ -26,13 +25,7 @@ from slime.utils.arguments import ArgumentValidationError, parse_args
 from slime.utils.atomic_dir import MARKER, atomic_write_text, remove_leftovers
 from slime.utils.tracking import Tracker
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    """The in-process trainers share one gloo default group; leave none behind for other test files."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 def new_trainer(args, role: str = "actor") -> tuple[FSDPTrainRayActor, int]:

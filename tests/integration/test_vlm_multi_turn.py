@@ -17,10 +17,9 @@ import numpy as np
 import openai
 import pytest
 import torch
-import torch.distributed as dist
 from support.engines import cpu_engine_process
 from support.fsdp import make_args, new_actor
-from support.tiny_vlm import build_tiny_vlm, make_image, png_base64
+from support.tiny_vlm import make_image, png_base64
 from support.vlm_reference import hf_log_probs
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
@@ -42,27 +41,18 @@ VISUAL_TOKENS = {(56, 56): 4, (84, 56): 6}
 PARAMS = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl")
-
-
-@pytest.fixture(scope="module")
-def engine(vlm_dir):
-    with cpu_engine_process(vlm_dir) as (_, url):
+def engine(tiny_vlm_dir):
+    with cpu_engine_process(tiny_vlm_dir) as (_, url):
         yield url
 
 
 @pytest.fixture(scope="module")
-def tokenizer(vlm_dir):
-    return AutoTokenizer.from_pretrained(vlm_dir)
+def tokenizer(tiny_vlm_dir):
+    return AutoTokenizer.from_pretrained(tiny_vlm_dir)
 
 
 def data_url(image) -> str:
@@ -86,8 +76,8 @@ def prompt_sample(index: int, with_image: bool) -> Sample:
     return Sample(index=index, group_index=1, prompt=[{"role": "user", "content": content}], reward=float(index % 2))
 
 
-def rollout_args(vlm_dir, url: str):
-    args = make_args(vlm_dir, "--max-turns", "2", "--lr", "3e-2", num_samples=4)
+def rollout_args(tiny_vlm_dir, url: str):
+    args = make_args(tiny_vlm_dir, "--max-turns", "2", "--lr", "3e-2", num_samples=4)
     host, port = url.removeprefix("http://").rsplit(":", 1)
     args.sglang_router_ip, args.sglang_router_port = host, int(port)
     return args
@@ -103,9 +93,9 @@ async def two_turns(args, sample: Sample, tool_image) -> Sample:
 
 
 @pytest.fixture(scope="module")
-def rollout(vlm_dir, engine):
+def rollout(tiny_vlm_dir, engine):
     """Two samples of a prompt with an image and two of a text-only prompt, each with its own tool image."""
-    args = rollout_args(vlm_dir, engine)
+    args = rollout_args(tiny_vlm_dir, engine)
     samples = [prompt_sample(i, with_image=i < 2) for i in range(4)]
 
     async def run():
@@ -148,8 +138,8 @@ def test_tool_image_joins_the_sample_in_token_order(tokenizer, rollout):
         assert sample.multimodal_train_inputs["pixel_values"].shape[0] == int(grid.prod(-1).sum())
 
 
-def test_an_observation_image_that_does_not_fit_whole_is_left_out(vlm_dir, tokenizer):
-    vision = load_vision_prompter(str(vlm_dir))
+def test_an_observation_image_that_does_not_fit_whole_is_left_out(tiny_vlm_dir, tokenizer):
+    vision = load_vision_prompter(str(tiny_vlm_dir))
     prompt = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     text = "a:<|vision_start|><|image_pad|><|vision_end|> b:<|vision_start|><|image_pad|><|vision_end|>"
     first_image = tokenizer.encode("a:" + pads(TOOL_IMAGES[1]) + " b:<|vision_start|>", add_special_tokens=False)
@@ -171,15 +161,15 @@ def train_data(args, samples) -> dict:
 
 
 @pytest.mark.parametrize("layout", ["sdpa", "flash_attention_2"], ids=["shared-prompt-rows", "one-packed-row"])
-def test_trainer_log_probs_equal_the_engines_with_images_in_the_response(vlm_dir, rollout, layout):
+def test_trainer_log_probs_equal_the_engines_with_images_in_the_response(tiny_vlm_dir, rollout, layout):
     args, samples = rollout
     args = copy.copy(args)
     args.micro_batch_size = len(samples)  # one micro-batch: each prompt's two samples share a row in sdpa
     actor = new_actor(args)
     actor.attn_implementation = layout
     log_probs = actor._forward_log_probs(actor._micro_batches(actor._prepare(train_data(args, samples))), 4)
-    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
-    processor = AutoImageProcessor.from_pretrained(vlm_dir)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir, dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(tiny_vlm_dir)
     for ours, sample in zip(log_probs, samples):
         sampled = torch.tensor(sample.loss_mask, dtype=torch.bool)
         gap = (ours[sampled] - torch.tensor(sample.rollout_log_probs)[sampled]).abs().max().item()
@@ -241,11 +231,11 @@ async def anthropic_talk(client, tool_image):
 
 
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
-def test_proxy_records_images_of_user_and_tool_messages(vlm_dir, engine, tokenizer, wire):
+def test_proxy_records_images_of_user_and_tool_messages(tiny_vlm_dir, engine, tokenizer, wire):
     tool_image = TOOL_IMAGES[0]
     talk = openai_talk if wire == "openai" else anthropic_talk
     session = asyncio.run(
-        proxy_session(tokenizer, engine, lambda c: talk(c, tool_image), load_vision_prompter(str(vlm_dir)), wire)
+        proxy_session(tokenizer, engine, lambda c: talk(c, tool_image), load_vision_prompter(str(tiny_vlm_dir)), wire)
     )
     sample = session_to_sample(session, Sample(index=0))
     prompt = expected_prompt(tokenizer, Sample(index=0, multimodal_inputs={"images": [PROMPT_IMAGE]}))
@@ -261,14 +251,14 @@ def test_proxy_records_images_of_user_and_tool_messages(vlm_dir, engine, tokeniz
     grid = sample.multimodal_train_inputs["image_grid_thw"]
     assert (grid.prod(-1) // 4).tolist() == [4, 6]
     # The engine saw both images: its log-probs are the model's over the whole sequence with them.
-    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
-    processor = AutoImageProcessor.from_pretrained(vlm_dir)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir, dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(tiny_vlm_dir)
     reference = hf_log_probs(model, processor, sample.tokens, images, sample.response_length)
     sampled = torch.tensor(sample.loss_mask, dtype=torch.bool)
     torch.testing.assert_close(torch.tensor(sample.rollout_log_probs)[sampled], reference[sampled], atol=1e-4, rtol=0)
 
 
-def test_proxy_refuses_images_for_a_text_only_model_and_web_urls(vlm_dir, tiny_model_dir, tokenizer):
+def test_proxy_refuses_images_for_a_text_only_model_and_web_urls(tiny_vlm_dir, tiny_model_dir, tokenizer):
     image_part = {"type": "image_url", "image_url": {"url": data_url(PROMPT_IMAGE)}}
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image_part]}]
 
@@ -288,4 +278,4 @@ def test_proxy_refuses_images_for_a_text_only_model_and_web_urls(vlm_dir, tiny_m
         web = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
         assert "web URL" in (await refused(client, web))["message"]
 
-    asyncio.run(proxy_session(tokenizer, "http://127.0.0.1:9", web_url, load_vision_prompter(str(vlm_dir))))
+    asyncio.run(proxy_session(tokenizer, "http://127.0.0.1:9", web_url, load_vision_prompter(str(tiny_vlm_dir))))

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from support.engines import engine_prompt_log_probs, engine_server
 from support.fsdp import make_rollout
@@ -36,12 +35,7 @@ BUFFER = 40_000  # bytes: the ~0.4 MB tiny model goes over in several shards
 PUSHES_SEEN: list[dict] = []  # what `record_push` saw
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    """The in-process trainers share one gloo default group; leave none behind for other test files."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    CONFIG_MAPPING,
     AutoModelForCausalLM,
     AutoTokenizer,
     Glm4MoeConfig,
@@ -60,6 +61,32 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     return hf_tok
 
 
+# 2026 families the FSDP trainer and the CPU engine run (the Megatron backend refuses them, naming why): HF
+# model_type -> what the tiny config sets beyond the common shape. Each has two layers of different kinds.
+_LINEAR_ATTENTION = dict(
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+)  # fmt: skip
+NEW_FAMILIES: dict[str, dict] = {
+    "qwen3_next": dict(
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=32,
+        **_LINEAR_ATTENTION,
+    ),  # fmt: skip
+    "qwen3_5_text": dict(_LINEAR_ATTENTION),
+    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),  # fmt: skip
+}
+
+
 def build_tiny_model(
     path: str | Path,
     arch: str = "llama",
@@ -71,7 +98,8 @@ def build_tiny_model(
 ) -> Path:
     """Save a random-weight `arch` model and its tokenizer to `path`.
 
-    `arch`: "llama", "qwen3", "qwen3_moe" (8 experts, top 2) or "glm4_moe" (GLM-4.5: layer 0 dense, then 8 routed
+    `arch`: "llama", "qwen3", "qwen3_moe" (8 experts, top 2), a key of `NEW_FAMILIES`, or "glm4_moe" (GLM-4.5: layer
+    0 dense, then 8 routed
     experts in 2 groups, 2 per token from the better group, plus a shared expert; rotary on half of each head; QKV
     bias, q/k norms; random biases, norms and router bias, so a layout or routing error shows in the logits).
     """
@@ -114,8 +142,12 @@ def build_tiny_model(
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             **common,
         )  # fmt: skip
+    elif arch in NEW_FAMILIES:
+        config = CONFIG_MAPPING[arch](head_dim=hidden_size // num_heads, **NEW_FAMILIES[arch], **common)
     else:
-        raise ValueError(f"unknown arch {arch!r}; use 'llama', 'qwen3', 'qwen3_moe' or 'glm4_moe'")
+        raise ValueError(
+            f"unknown arch {arch!r}; use 'llama', 'qwen3', 'qwen3_moe', 'glm4_moe' or one of {NEW_FAMILIES}"
+        )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger-than-default init so attention is far from uniform and RoPE/positional errors show in logits.

@@ -8,6 +8,7 @@ patch grid and 4 visual tokens. Saved with `save_pretrained`, so every loading p
 from __future__ import annotations
 
 import base64
+import copy
 import io
 from pathlib import Path
 
@@ -32,6 +33,26 @@ VL_CHAT_TEMPLATE = (
 )
 
 
+# Per arch: config class, vision patch size, and the text / vision config fields only that family has.
+ARCHS = {
+    "qwen2_5_vl": (
+        Qwen2_5_VLConfig,
+        14,
+        {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        {"window_size": 56, "fullatt_block_indexes": [1]},
+    ),
+    "qwen3_vl": (
+        Qwen3VLConfig,
+        16,
+        {
+            "head_dim": 16,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        },
+        {"num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+    ),
+}
+
+
 def build_tiny_vlm(path: str | Path, arch: str = "qwen2_5_vl", seed: int = 0) -> Path:
     """Save a random-weight `arch` ("qwen2_5_vl" or "qwen3_vl") model, its tokenizer and image processor to `path`."""
     path = Path(path)
@@ -54,50 +75,27 @@ def build_tiny_vlm(path: str | Path, arch: str = "qwen2_5_vl", seed: int = 0) ->
         bos_token_id=None,
     )
     tokens = dict(vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video)
-    if arch == "qwen2_5_vl":
-        patch = 14
-        config = Qwen2_5_VLConfig(
-            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
-            vision_config=dict(
-                depth=2,
-                hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                out_hidden_size=64,
-                patch_size=patch,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                window_size=56,
-                fullatt_block_indexes=[1],
-            ),
-            tie_word_embeddings=False,
-            **tokens,
-        )
-    elif arch == "qwen3_vl":
-        patch = 16
-        config = Qwen3VLConfig(
-            text_config={
-                **text,
-                "head_dim": 16,
-                "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-            },
-            vision_config=dict(
-                depth=2,
-                hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                out_hidden_size=64,
-                patch_size=patch,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                num_position_embeddings=16,
-                deepstack_visual_indexes=[0],
-            ),
-            tie_word_embeddings=False,
-            **tokens,
-        )
-    else:
+    if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; use 'qwen2_5_vl' or 'qwen3_vl'")
+    config_class, patch, text_fields, vision_fields = ARCHS[arch]
+    # Deep copies: the config classes rewrite `rope_scaling` in place, which would leak into the next build.
+    text_fields, vision_fields = copy.deepcopy(text_fields), copy.deepcopy(vision_fields)
+    config = config_class(
+        text_config={**text, **text_fields},
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=patch,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            **vision_fields,
+        ),
+        tie_word_embeddings=False,
+        **tokens,
+    )
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     # Larger-than-default init (as tiny_model) so image features and positions visibly move the logits.

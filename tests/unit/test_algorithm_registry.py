@@ -9,7 +9,6 @@ from argparse import Namespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from slime import algorithms
 from slime.algorithms.advantages import compute_advantages_and_returns, group_baseline_rewards
@@ -31,12 +30,7 @@ def capture(args, rollout_id, data):
     CAPTURED[rollout_id] = {key: list(data[key]) for key in ("log_probs", "advantages")}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _destroy_process_group_after_module():
-    """The in-process trainer creates the gloo default group; leave none behind for other test files."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("destroy_process_group_after_module")
 
 
 # ---------------------------------------------------------------------------------------------

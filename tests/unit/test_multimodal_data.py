@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from support.tiny_vlm import IMAGE_PLACEHOLDER, build_tiny_vlm, make_image, png_base64
+from support.tiny_vlm import IMAGE_PLACEHOLDER, make_image, png_base64
 from transformers import AutoImageProcessor, AutoTokenizer
 
 from slime.utils.arguments import ArgumentValidationError, parse_args
@@ -23,20 +23,15 @@ IMAGES = [make_image(56, 56, seed=1), make_image(84, 56, seed=2), make_image(30,
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl")
+def tokenizer(tiny_vlm_dir):
+    return AutoTokenizer.from_pretrained(tiny_vlm_dir)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(vlm_dir):
-    return AutoTokenizer.from_pretrained(vlm_dir)
-
-
-def data_args(vlm_dir, **overrides) -> Namespace:
+def data_args(tiny_vlm_dir, **overrides) -> Namespace:
     settings = dict(
         input_key="problem", label_key="answer", metadata_key="metadata", tool_key="tools", apply_chat_template=True,
         apply_chat_template_kwargs={}, rollout_max_prompt_len=None, rollout_seed=0,
-        multimodal_keys={"image": "images"}, hf_checkpoint=str(vlm_dir), trust_remote_code=False,
+        multimodal_keys={"image": "images"}, hf_checkpoint=str(tiny_vlm_dir), trust_remote_code=False,
     )  # fmt: skip
     return Namespace(**(settings | overrides))
 
@@ -56,7 +51,7 @@ def pixels(image) -> bytes:
     return image.convert("RGB").tobytes()
 
 
-def test_every_image_form_is_read_with_its_pixels(tmp_path, vlm_dir, tokenizer):
+def test_every_image_form_is_read_with_its_pixels(tmp_path, tiny_vlm_dir, tokenizer):
     (tmp_path / "imgs").mkdir()
     IMAGES[0].save(tmp_path / "imgs" / "a.png")
     IMAGES[1].save(tmp_path / "b.png")
@@ -66,7 +61,7 @@ def test_every_image_form_is_read_with_its_pixels(tmp_path, vlm_dir, tokenizer):
         {"problem": "<image>x", "answer": "1", "images": [f"data:image/png;base64,{png_base64(IMAGES[1])}"]},
         {"problem": "no picture", "answer": "0", "images": []},
     ]
-    samples = load_dataset(write_jsonl(tmp_path / "data.jsonl", rows), data_args(vlm_dir), tokenizer).samples
+    samples = load_dataset(write_jsonl(tmp_path / "data.jsonl", rows), data_args(tiny_vlm_dir), tokenizer).samples
     assert [[pixels(i) for i in s.multimodal_inputs["images"]] for s in samples[:3]] == [
         [pixels(IMAGES[0])],
         [pixels(IMAGES[1]), pixels(IMAGES[2])],
@@ -82,16 +77,16 @@ def test_every_image_form_is_read_with_its_pixels(tmp_path, vlm_dir, tokenizer):
         }
     )
     pq.write_table(table, tmp_path / "data.parquet")
-    (sample,) = load_dataset(str(tmp_path / "data.parquet"), data_args(vlm_dir), tokenizer).samples
+    (sample,) = load_dataset(str(tmp_path / "data.parquet"), data_args(tiny_vlm_dir), tokenizer).samples
     assert [pixels(i) for i in sample.multimodal_inputs["images"]] == [pixels(IMAGES[2]), pixels(IMAGES[0])]
 
 
-def test_placeholders_take_the_images_in_order_or_lead_the_text(tmp_path, vlm_dir, tokenizer):
+def test_placeholders_take_the_images_in_order_or_lead_the_text(tmp_path, tiny_vlm_dir, tokenizer):
     rows = [
         {"problem": "first <image> then <image> end", "answer": "1", "images": [png_base64(i) for i in IMAGES[:2]]},
         {"problem": "how many sides?", "answer": "3", "images": [png_base64(IMAGES[0])]},
     ]
-    samples = load_dataset(write_jsonl(tmp_path / "d.jsonl", rows), data_args(vlm_dir), tokenizer).samples
+    samples = load_dataset(write_jsonl(tmp_path / "d.jsonl", rows), data_args(tiny_vlm_dir), tokenizer).samples
     assert samples[0].prompt == (
         f"<|im_start|>user\nfirst {IMAGE_PLACEHOLDER} then {IMAGE_PLACEHOLDER} end<|im_end|>\n<|im_start|>assistant\n"
     )
@@ -100,7 +95,7 @@ def test_placeholders_take_the_images_in_order_or_lead_the_text(tmp_path, vlm_di
     )
     # Without --apply-chat-template the prompt stays messages with image parts (the rollout templates them).
     plain = load_dataset(
-        write_jsonl(tmp_path / "e.jsonl", rows[1:]), data_args(vlm_dir, apply_chat_template=False), tokenizer
+        write_jsonl(tmp_path / "e.jsonl", rows[1:]), data_args(tiny_vlm_dir, apply_chat_template=False), tokenizer
     )
     assert plain.samples[0].prompt == [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many sides?"}]}
@@ -118,29 +113,29 @@ def test_placeholders_take_the_images_in_order_or_lead_the_text(tmp_path, vlm_di
     ],
     ids=["missing-file", "web-url", "not-an-image", "placeholder-count", "missing-key"],
 )  # fmt: skip
-def test_bad_images_name_the_sample_and_the_key(tmp_path, vlm_dir, tokenizer, row, names):
+def test_bad_images_name_the_sample_and_the_key(tmp_path, tiny_vlm_dir, tokenizer, row, names):
     rows = [{"problem": "fine", "images": []}, row]
     with pytest.raises((ValueError, KeyError)) as error:
-        load_dataset(write_jsonl(tmp_path / "bad.jsonl", rows), data_args(vlm_dir, label_key=None), tokenizer)
+        load_dataset(write_jsonl(tmp_path / "bad.jsonl", rows), data_args(tiny_vlm_dir, label_key=None), tokenizer)
     for name in names:
         assert name in str(error.value)
 
 
-def test_length_filter_counts_visual_tokens(tmp_path, vlm_dir, tokenizer):
+def test_length_filter_counts_visual_tokens(tmp_path, tiny_vlm_dir, tokenizer):
     rows = [{"problem": "a", "images": [png_base64(IMAGES[1])]}, {"problem": "a", "images": []}]
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": "a"}], add_generation_prompt=True, tokenize=False
     )
     text_only = len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    grid = AutoImageProcessor.from_pretrained(vlm_dir)(images=[IMAGES[1]], return_tensors="pt")["image_grid_thw"]
+    grid = AutoImageProcessor.from_pretrained(tiny_vlm_dir)(images=[IMAGES[1]], return_tensors="pt")["image_grid_thw"]
     with_image = text_only + 3 - 1 + int(grid.prod()) // 4  # vision start/pad/end, the pad expanded
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     for limit, kept in ((with_image, 2), (with_image - 1, 1)):
-        samples = load_dataset(path, data_args(vlm_dir, label_key=None, rollout_max_prompt_len=limit), tokenizer)
+        samples = load_dataset(path, data_args(tiny_vlm_dir, label_key=None, rollout_max_prompt_len=limit), tokenizer)
         assert len(samples) == kept
     # What the rollout sends for that prompt has exactly that many tokens.
-    prompter = load_vision_prompter(str(vlm_dir))
-    (sample,) = load_dataset(path, data_args(vlm_dir, label_key=None), tokenizer).samples[:1]
+    prompter = load_vision_prompter(str(tiny_vlm_dir))
+    (sample,) = load_dataset(path, data_args(tiny_vlm_dir, label_key=None), tokenizer).samples[:1]
     ids = tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
     expanded, inputs = prompter.prepare(ids, sample.multimodal_inputs["images"])
     assert len(expanded) == with_image and inputs["image_grid_thw"].tolist() == grid.tolist()
@@ -151,13 +146,13 @@ def flags(hf_checkpoint, *extra: str):
             "--n-samples-per-prompt", "2", "--num-rollout", "1", *extra]  # fmt: skip
 
 
-def test_multimodal_flags_are_checked_at_parse_time(vlm_dir, tiny_model_dir):
-    args = parse_args(flags(vlm_dir, "--multimodal-keys", '{"image": "images"}'))
+def test_multimodal_flags_are_checked_at_parse_time(tiny_vlm_dir, tiny_model_dir):
+    args = parse_args(flags(tiny_vlm_dir, "--multimodal-keys", '{"image": "images"}'))
     assert args.multimodal_keys == {"image": "images"} and not args.train_vision_tower
     with pytest.raises(SystemExit):  # argparse: only images
-        parse_args(flags(vlm_dir, "--multimodal-keys", '{"video": "clips"}'))
+        parse_args(flags(tiny_vlm_dir, "--multimodal-keys", '{"video": "clips"}'))
     cases = [
-        (flags(vlm_dir, "--train-backend", "megatron"), "--train-backend fsdp"),
+        (flags(tiny_vlm_dir, "--train-backend", "megatron"), "--train-backend fsdp"),
         (flags(tiny_model_dir, "--train-backend", "megatron", "--multimodal-keys", '{"image": "i"}'), "--multimodal-keys"),
         (flags(tiny_model_dir, "--multimodal-keys", '{"image": "images"}'), "no vision_config"),
         (flags(tiny_model_dir, "--train-vision-tower"), "--train-vision-tower"),

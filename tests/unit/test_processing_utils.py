@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 from support.tiny_model import build_tiny_model, build_tokenizer
-from support.tiny_vlm import build_tiny_vlm, make_image
+from support.tiny_vlm import make_image
 
 from slime.utils.processing_utils import (
     build_processor_kwargs,
@@ -150,9 +150,8 @@ def test_load_processor_is_none_for_a_text_model(tmp_path):
     assert load_processor(str(build_tiny_model(tmp_path / "text"))) is None
 
 
-def test_load_image_processor_reads_the_vlm_folder_and_names_a_missing_one(tmp_path):
-    folder = build_tiny_vlm(tmp_path / "vlm")
-    processed = load_image_processor(str(folder))(images=[make_image(56, 56, 1)], return_tensors="pt")
+def test_load_image_processor_reads_the_vlm_folder_and_names_a_missing_one(tmp_path, tiny_vlm_dir):
+    processed = load_image_processor(str(tiny_vlm_dir))(images=[make_image(56, 56, 1)], return_tensors="pt")
     assert processed["image_grid_thw"].tolist() == [[1, 4, 4]]
     with pytest.raises(ValueError, match="preprocessor_config.json"):
         load_image_processor(str(build_tiny_model(tmp_path / "text")))

@@ -4,7 +4,7 @@ source checkpoint, so it loads back as the VLM it is (slime's own readers and tr
 from __future__ import annotations
 
 import torch
-from support.tiny_vlm import build_tiny_vlm, make_image
+from support.tiny_vlm import make_image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
 from slime.backends.fsdp_utils.model import save_hf_folder
@@ -12,8 +12,8 @@ from slime.utils.data import load_vision_prompter
 from slime.utils.processing_utils import load_processor, load_tokenizer
 
 
-def test_save_hf_folder_keeps_the_vlm_image_processor(tmp_path):
-    source = build_tiny_vlm(tmp_path / "source")
+def test_save_hf_folder_keeps_the_vlm_image_processor(tmp_path, tiny_vlm_dir):
+    source = tiny_vlm_dir
     model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
     export = tmp_path / "export"
     save_hf_folder(model, model.state_dict(), str(export), str(source))

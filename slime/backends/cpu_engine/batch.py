@@ -218,8 +218,9 @@ def prompt_log_probs(
 
 
 def caches_can_merge(cache: DynamicCache) -> bool:
-    """Sliding-window layers keep a moving window, which left-padding would corrupt."""
-    return not any(layer.is_sliding for layer in cache.layers)
+    """Only full-attention key/value layers can be left-padded: a sliding window moves, and a linear-attention layer
+    (Qwen3-Next, Qwen3.5) keeps a recurrent state instead of keys and values."""
+    return all(getattr(layer, "is_sliding", True) is False for layer in cache.layers)
 
 
 def _layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

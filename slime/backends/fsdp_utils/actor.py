@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from slime.algorithms.aggregation import StepNormalizer
 from slime.backends.fsdp_utils import checkpoint, lora
-from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, build_step_micro_batches
+from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, build_step_micro_batches, sliding_window_of
 from slime.backends.fsdp_utils.loss import LOSS_FUNCTIONS
 from slime.backends.fsdp_utils.model import (
     build_lr_scheduler,
@@ -90,6 +90,7 @@ class FSDPTrainRayActor(TrainRayActor):
             trust_remote_code=args.trust_remote_code,
         )
         self.attn_implementation = model.config._attn_implementation
+        self.sliding_window = sliding_window_of(model.config)
         if self.lora:  # --lora-rank: an adapter on the frozen base (the reference is the base: TrainRayActor)
             model = lora.apply_lora(model, args)
         # the probe of `check_weights_equal` (actor only: the critic's ValueModel has no LM embeddings API)
@@ -167,6 +168,7 @@ class FSDPTrainRayActor(TrainRayActor):
             attn_implementation=self.attn_implementation,
             routed_experts=data.get("rollout_routed_experts") if self.routers is not None else None,
             vision=vision_batching(self.model, data.get("multimodal_train_inputs"), len(data["tokens"])),
+            sliding_window=self.sliding_window,
         )
 
     def _probe_micro_batches(self, probe: list[int]) -> Steps:
@@ -179,6 +181,7 @@ class FSDPTrainRayActor(TrainRayActor):
             device=self.device,
             attn_implementation=self.attn_implementation,
             vision=vision_batching(self.model, None, 1),
+            sliding_window=self.sliding_window,
         )
 
     def _forward_log_probs(self, steps: Steps, num_samples: int, temperature: float | None = None) -> list:

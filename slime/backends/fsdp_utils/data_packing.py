@@ -58,7 +58,8 @@ class PackedMicroBatch:
         position_ids: `[R, L]` positions within each sequence; for a vision-language model `[3, R, L]` M-RoPE
             positions (`[4, 1, L]` in one packed row: the restarting text positions first, as HF takes them).
         attention_mask: `[R, 1, L, L]` mask for shared-prompt rows (bool, or additive float for eager
-            attention); None for one packed row, where HF derives the mask from `position_ids`.
+            attention), per layer kind (`{"full_attention": ..., "sliding_attention": ...}`) for a model that mixes
+            them; None for one packed row, where HF derives the mask from `position_ids`.
         logit_rows: `[M]` the row of each response token's predictor (M = total response length).
         logit_positions: `[M]` the predictor's position in that row.
         target_tokens: `[M]` the response tokens, concatenated in sample order.
@@ -79,7 +80,7 @@ class PackedMicroBatch:
     sample_indices: list[int]
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None
     logit_rows: torch.Tensor
     logit_positions: torch.Tensor
     target_tokens: torch.Tensor
@@ -281,6 +282,7 @@ def pack_shared_prompt_rows(
     additive_mask: bool = False,
     routed_experts: list[torch.Tensor] | None = None,
     prompt_keys: list | None = None,
+    sliding_window: int | None = None,
 ) -> PackedMicroBatch:
     """Lay the given samples out as one row per distinct prompt: the prompt once, then its responses.
 
@@ -295,6 +297,9 @@ def pack_shared_prompt_rows(
             shared prompt takes the routing of its first sample.
         prompt_keys: Per sample, what else two prompts must share to share a row (a vision-language prompt's
             images); None: equal prompt tokens suffice.
+        sliding_window: The window of a model that mixes sliding-window and full-attention layers
+            (`sliding_window_of`): the mask is then HF's per-kind dict, `{"full_attention": ..., "sliding_attention":
+            ...}`, since one mask handed to such a model serves every layer.
 
     Returns:
         The micro-batch; its `sample_indices` are grouped by prompt, in order of first appearance.
@@ -340,16 +345,23 @@ def pack_shared_prompt_rows(
     query, key = segments[:, :, None], segments[:, None, :]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     allowed = causal & (query >= 0) & ((key == 0) | (key == query))
-    allowed |= torch.eye(width, dtype=torch.bool)  # padding positions see themselves: no all-masked softmax rows
-    mask = allowed[:, None]
-    if additive_mask:
-        mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    itself = torch.eye(width, dtype=torch.bool)  # padding positions see themselves: no all-masked softmax rows
+    masks = {"full_attention": allowed | itself}
+    if sliding_window is not None:  # HF's rule: a query sees keys fewer than `sliding_window` positions back
+        near = position_ids[:, :, None] - position_ids[:, None, :] < sliding_window
+        masks["sliding_attention"] = (allowed & near) | itself
+    for kind, allowed_kind in masks.items():
+        masks[kind] = allowed_kind[:, None].to(device)
+        if additive_mask:
+            masks[kind] = torch.zeros(masks[kind].shape, device=device).masked_fill_(
+                ~masks[kind], torch.finfo(torch.float32).min
+            )
 
     return PackedMicroBatch(
         sample_indices=ordered,
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
-        attention_mask=mask.to(device),
+        attention_mask=masks if sliding_window is not None else masks["full_attention"],
         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
         logit_positions=torch.tensor(logit_positions, dtype=torch.long, device=device),
         target_tokens=torch.tensor(targets, dtype=torch.long, device=device),
@@ -418,6 +430,15 @@ def align_micro_batch_counts(groups: list[list[int]], process_group: dist.Proces
     return int(count.item())
 
 
+def sliding_window_of(config) -> int | None:
+    """The window of a model whose layers mix sliding-window and full attention (`layer_types`: gpt-oss, Gemma,
+    ...); None otherwise."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if "sliding_attention" in (getattr(text, "layer_types", None) or []):
+        return int(text.sliding_window)
+    return None
+
+
 def build_step_micro_batches(
     tokens: list[list[int]],
     response_lengths: list[int],
@@ -429,6 +450,7 @@ def build_step_micro_batches(
     attn_implementation: str = "sdpa",
     routed_experts: list[torch.Tensor] | None = None,
     vision: VisionBatching | None = None,
+    sliding_window: int | None = None,
 ) -> list[list[PackedMicroBatch]]:
     """Micro-batches of every optimizer step of this rank's shard, aligned across ranks.
 
@@ -443,6 +465,7 @@ def build_step_micro_batches(
         attn_implementation: The model's `config._attn_implementation`; picks the layout (module docstring).
         routed_experts: Each sample's engine routing, laid out with the tokens for routing replay; or None.
         vision: A vision-language model's images and M-RoPE (`add_vision_inputs`); None for a text-only model.
+        sliding_window: `sliding_window_of` the model's config (shared-prompt rows mask sliding-window layers).
 
     Returns:
         For each step, its micro-batches; padding ones (weight 0) repeat the step's first micro-batch.
@@ -464,6 +487,7 @@ def build_step_micro_batches(
                 additive_mask=additive,
                 routed_experts=routed_experts,
                 prompt_keys=prompt_keys,
+                sliding_window=sliding_window,
             )
         if vision is not None:
             add_vision_inputs(micro_batch, tokens, response_lengths, vision, prompt_keys)

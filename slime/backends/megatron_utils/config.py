@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from slime.utils.device import cuda_available
+from slime.utils.model_families import megatron_refusal
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4", "glm4_moe", "deepseek_v3", "mimo")
 
@@ -89,6 +90,9 @@ def resolve_family(name: str) -> str:
     key = re.sub(r"[-.\s]", "_", str(name).strip().lower())
     if key in _FAMILY_ALIASES:
         return _FAMILY_ALIASES[key]
+    refusal = megatron_refusal(key)
+    if refusal:
+        raise ValueError(refusal)
     raise ValueError(
         f"unknown model family {name!r}: slime converts weights for {', '.join(SUPPORTED_FAMILIES)} "
         f"(aliases: {', '.join(sorted(set(_FAMILY_ALIASES) - set(SUPPORTED_FAMILIES)))}). "
