@@ -3,6 +3,9 @@ transformers causal LM, these included)."""
 
 from __future__ import annotations
 
+# HF model_types with DeepSeek sparse attention (`--freeze-indexer` applies to them).
+DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
 _GATED_DELTA_NET = "gated delta-net linear-attention layers"
 _DSA = "DeepSeek sparse attention (DSA) with its lightning indexer"
 
@@ -13,8 +16,7 @@ MEGATRON_NOT_BUILT = {
     "qwen3_5_text": _GATED_DELTA_NET,
     "qwen3_5_moe": _GATED_DELTA_NET,
     "qwen3_5_moe_text": _GATED_DELTA_NET,
-    "deepseek_v32": _DSA,
-    "glm_moe_dsa": _DSA,
+    **dict.fromkeys(DSA_MODEL_TYPES, _DSA),
     "minimax_m2": "q/k RMSNorms over all heads at once (megatron-core normalizes each head on its own)",
     "gpt_oss": "attention sinks, sliding-window layers and biased, clamped SwiGLU experts",
 }

@@ -1,5 +1,5 @@
-"""The 2026 families the Megatron backend refuses (Qwen3-Next, Qwen3.5, MiniMax-M2, gpt-oss), on the FSDP trainer
-and the CPU engine: the trainer's packed log-probs equal a plain HF forward of each sample on its own (a
+"""The 2026 families the Megatron backend refuses (Qwen3-Next, Qwen3.5, GLM-5, DeepSeek-V3.2, MiniMax-M2, gpt-oss),
+on the FSDP trainer and the CPU engine: the trainer's packed log-probs equal a plain HF forward of each sample on its own (a
 linear-attention layer's state must not flow from one packed sample into the next), and a training step pushed
 to an engine serving the family makes it compute what the trainer's weights compute."""
 
@@ -26,6 +26,14 @@ def prompt_log_probs(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
 
 
+def greedy(model, tokens: list[int], steps: int) -> list[int]:
+    """HF's own cached greedy decoding (up to an EOS). For the DSA families it can pick other tokens than re-running
+    the whole sequence at each step does (seen on these tiny models), so the engine is held to HF's decoding."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([tokens]), max_new_tokens=steps, do_sample=False, use_cache=True)
+    return out[0, len(tokens) :].tolist()
+
+
 @pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
 def test_fsdp_trains_each_family_and_the_engine_serves_its_weights(tmp_path, family):
     model_dir = build_tiny_model(tmp_path / family, arch=family)
@@ -48,6 +56,11 @@ def test_fsdp_trains_each_family_and_the_engine_serves_its_weights(tmp_path, fam
         stale_gap = (engine_prompt_log_probs(client, PROBE) - expected).abs().max().item()
         actor.update_weights()
         engine_gap = (engine_prompt_log_probs(client, PROBE) - expected).abs().max().item()
+        # decoding with the engine's cache (a recurrent state, a sliding window, an indexer's keys) = HF's
+        sampling = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+        engine_greedy = client.generate({"input_ids": PROBE[:5], "sampling_params": sampling})["output_ids"]
+    expected_greedy = greedy(trained, PROBE[:5], 8)
+    assert expected_greedy and engine_greedy[: len(expected_greedy)] == expected_greedy
     print(f"{family}: packed {packed_gap:.2e}, stale {stale_gap:.2e}, engine after the push {engine_gap:.2e}")
     assert packed_gap < 1e-5
     assert stale_gap > 1e-2  # the step changed what the weights compute, so the push had something to carry
@@ -65,3 +78,17 @@ def test_megatron_refuses_the_families_it_cannot_build(tmp_path):
     with pytest.raises(ArgumentValidationError, match="qwen3_next models yet: they have gated delta-net"):
         parse_args([*flags, "--train-backend", "megatron"])
     assert parse_args(flags).train_backend == "fsdp"
+    with pytest.raises(ArgumentValidationError, match="--freeze-indexer: .* qwen3_next model, which has no DSA"):
+        parse_args([*flags, "--freeze-indexer"])
+
+
+def test_freeze_indexer_keeps_the_dsa_indexer_as_loaded(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "glm_moe_dsa", arch="glm_moe_dsa")
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    actor = new_actor(make_args(model_dir, "--lr", "1e-2", "--freeze-indexer"))
+    actor.train(210, make_rollout(8, seed=210))
+    trained = gather_full_state_dict(actor.model)
+    indexer = [name for name in loaded if ".indexer." in name]
+    assert indexer and all(torch.equal(trained[name], loaded[name]) for name in indexer)
+    changed = [name for name in loaded if not torch.equal(trained[name], loaded[name])]
+    assert any("self_attn.q_a_proj" in name for name in changed) and any("mlp" in name for name in changed)

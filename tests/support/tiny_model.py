@@ -67,7 +67,15 @@ _LINEAR_ATTENTION = dict(
     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
     layer_types=["linear_attention", "full_attention"],
 )  # fmt: skip
+# DeepSeek-V3.2 / GLM-5: multi-latent attention whose lightning indexer lets each query attend to its top 4 keys.
+_DSA = dict(
+    num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+    topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2,
+)  # fmt: skip
 NEW_FAMILIES: dict[str, dict] = {
+    "deepseek_v32": dict(_DSA, head_dim=8),
+    "glm_moe_dsa": dict(_DSA, head_dim=8, indexer_types=["full", "full"]),
     "qwen3_next": dict(
         moe_intermediate_size=32,
         num_experts=4,
@@ -143,7 +151,7 @@ def build_tiny_model(
             **common,
         )  # fmt: skip
     elif arch in NEW_FAMILIES:
-        config = CONFIG_MAPPING[arch](head_dim=hidden_size // num_heads, **NEW_FAMILIES[arch], **common)
+        config = CONFIG_MAPPING[arch](**{"head_dim": hidden_size // num_heads, **common, **NEW_FAMILIES[arch]})
     else:
         raise ValueError(
             f"unknown arch {arch!r}; use 'llama', 'qwen3', 'qwen3_moe', 'glm4_moe' or one of {NEW_FAMILIES}"

@@ -95,10 +95,10 @@ class FSDPTrainRayActor(TrainRayActor):
             model = lora.apply_lora(model, args)
         # the probe of `check_weights_equal` (actor only: the critic's ValueModel has no LM embeddings API)
         self.vocab_size = None if self.value_head else model.get_input_embeddings().weight.shape[0]
-        if args.only_train_params_name_list or args.freeze_params_name_list:
-            trainable = select_trainable_parameters(
-                model, args.only_train_params_name_list, args.freeze_params_name_list
-            )
+        # --freeze-indexer: a DSA model's lightning indexer (`self_attn.indexer.*`) keeps the checkpoint's weights
+        freeze = (args.freeze_params_name_list or []) + ([r"\.indexer\."] if args.freeze_indexer else [])
+        if args.only_train_params_name_list or freeze:
+            trainable = select_trainable_parameters(model, args.only_train_params_name_list, freeze)
             logger.info("rank %d: training %d of the model's parameter tensors", self.rank, len(trainable))
         if is_vision_language(model.config) and not args.train_vision_tower:  # the language model trains alone
             freeze_vision_tower(model)

@@ -76,6 +76,7 @@ REFUSED_FLAGS: dict[str, Refusal] = {
     ),
     "only_train_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
     "freeze_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
+    "freeze_indexer": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
     "recompute_loss_function": Refusal(
         "recomputing the loss in backward is not implemented",
         "to save memory use --gradient-checkpointing (FSDP) or Megatron's --recompute-* flags, or lower "

@@ -125,6 +125,12 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Freeze the parameters whose name matches one of these regexes (re.search). FSDP only.",
     )
+    group.add_argument(
+        "--freeze-indexer",
+        action="store_true",
+        help="DSA models (GLM-5, DeepSeek-V3.2): keep the lightning indexer's weights as loaded and train the rest. "
+        "FSDP only.",
+    )
     group.add_argument("--allgather-cp", action="store_true", help="All-gather context-parallel chunks (DSA models).")
     group.add_argument("--qwen-gdn-backend", default="fla", help="Kernel backend for Qwen gated delta-net layers.")
     group.add_argument(

@@ -29,7 +29,7 @@ from slime.utils.engine_args import engine_api_key
 from slime.utils.eval_config import load_eval_config
 from slime.utils.fp8 import rollout_fp8_block
 from slime.utils.misc import load_function
-from slime.utils.model_families import megatron_refusal
+from slime.utils.model_families import DSA_MODEL_TYPES, megatron_refusal
 from slime.utils.moe_routing import routing_shape
 
 # One logger for the whole parser, named as before the split into modules (log lines show the name).
@@ -422,7 +422,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_engine_limits(args)
     _validate_flag_uses(args)
     _validate_agent(args)
-    _validate_megatron_family(args)
+    _validate_model_family(args)
     _validate_routing_replay(args)
     _validate_fully_async(args)
     _validate_lora(args)
@@ -454,14 +454,20 @@ def _validate_fp8_rollout(args: argparse.Namespace) -> None:
             )
 
 
-def _validate_megatron_family(args: argparse.Namespace) -> None:
+def _validate_model_family(args: argparse.Namespace) -> None:
     config = os.path.join(args.hf_checkpoint or "", "config.json")
-    if args.train_backend != "megatron" or args.model_name or not os.path.isfile(config):
+    if not os.path.isfile(config):
         return
     with open(config) as f:
-        refusal = megatron_refusal(str(json.load(f).get("model_type")))
-    if refusal:
+        model_type = str(json.load(f).get("model_type"))
+    refusal = megatron_refusal(model_type)
+    if args.train_backend == "megatron" and not args.model_name and refusal:
         _fail(f"--hf-checkpoint {args.hf_checkpoint}: {refusal}.")
+    if args.freeze_indexer and model_type not in DSA_MODEL_TYPES:
+        _fail(
+            f"--freeze-indexer: --hf-checkpoint {args.hf_checkpoint} is a {model_type} model, which has no DSA "
+            f"lightning indexer (those are {', '.join(DSA_MODEL_TYPES)}); drop the flag."
+        )
 
 
 def _validate_routing_replay(args: argparse.Namespace) -> None:
