@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from slime.algorithms.logprobs import compute_log_probs
 from slime.backends.cpu_engine.lora import LoraStore
 from slime.backends.cpu_engine.protocol import GenerationRequest
 from slime.backends.cpu_engine.vision import VisionInputs
@@ -215,6 +216,22 @@ def prompt_log_probs(
     log_probs = (logits / scale).log_softmax(dim=-1)
     picked = log_probs.gather(-1, torch.tensor(input_ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
     return [None] + [lp if pos + 1 >= start else None for pos, lp in enumerate(picked)]
+
+
+def response_log_probs(model, prompt_ids: list[int], output_ids: list[int], temperature: float) -> list[float]:
+    """Log-probs of `output_ids` after `prompt_ids` computed as the FSDP trainer computes them for a row holding one
+    sample (`fsdp_utils.model.response_logits`, then `compute_log_probs`): the same forward and the same float32 ops,
+    so on the same thread count the same bits (`--true-on-policy-mode`)."""
+    tokens = torch.tensor([prompt_ids + output_ids])
+    columns = torch.arange(len(prompt_ids) - 1, tokens.shape[1] - 1)
+    with torch.no_grad():
+        output = model(
+            input_ids=tokens, position_ids=torch.arange(tokens.shape[1])[None], use_cache=False, logits_to_keep=columns
+        )
+    logits = output.logits[0].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    return compute_log_probs(logits, torch.tensor(output_ids)).tolist()
 
 
 def caches_can_merge(cache: DynamicCache) -> bool:

@@ -88,6 +88,9 @@ class CpuEngine:
         lora_target_modules: Linear leaf names adapters may target (or ["all-linear"]); None for all.
         max_loras_per_batch: Most distinct adapters in the running batch; requests of further ones wait.
         max_loaded_loras: Most adapters held at once.
+        true_on_policy_threads: Report every finished response's log-probs as the FSDP trainer computes them, on
+            this many threads (`--true-on-policy-mode`): bit-identical to the trainer's for the same weights. None
+            reports the decode-time log-probs.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class CpuEngine:
         lora_target_modules: list[str] | None = None,
         max_loras_per_batch: int = 8,
         max_loaded_loras: int = 16,
+        true_on_policy_threads: int | None = None,
     ):
         if not Path(model_path).is_dir():
             raise ValueError(
@@ -116,6 +120,7 @@ class CpuEngine:
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.num_threads = num_threads
+        self.true_on_policy_threads = true_on_policy_threads
         torch.manual_seed(random_seed)
         self.model, self.tokenizer = weights.load_model(self.model_path, dtype, tokenizer_path, trust_remote_code)
         config = self.model.config
@@ -586,10 +591,25 @@ class CpuEngine:
             if reason is None:
                 alive.append(row)
             else:
+                if self.true_on_policy_threads and request.return_logprob:
+                    self._rescore(request)
                 self._finish(request, reason)
         if len(alive) == len(requests):
             return batch
         return batching.keep_rows(self.model, batch, alive) if alive else None
+
+    def _rescore(self, request: GenerationRequest) -> None:
+        """`true_on_policy_threads`: replace the decode-time log-probs of a finished response with the trainer's
+        computation of them (`batching.response_log_probs`) on the trainer's thread count, since a matmul's
+        rounding depends on how many threads split it."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.true_on_policy_threads)
+        try:
+            request.output_logprobs = batching.response_log_probs(
+                self.model, request.input_ids, request.output_ids, request.params.temperature
+            )
+        finally:
+            torch.set_num_threads(threads)
 
     def _stop_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.params.ignore_eos:

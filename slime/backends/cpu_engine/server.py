@@ -128,6 +128,8 @@ class ServerArgs:
         quantization: "fp8" runs the model in block FP8 as SGLang's `--quantization fp8` does (a bf16/fp32
             checkpoint is rounded through FP8 on load, and so is every update not sent in FP8); None keeps the
             checkpoint's precision. A block-FP8 checkpoint (its config's `quantization_config`) runs FP8 either way.
+        true_on_policy_threads: Report each finished response's log-probs as the FSDP trainer computes them, on
+            this many threads (slime's `--true-on-policy-mode`); None reports the decode-time ones.
     """
 
     model_path: str
@@ -151,6 +153,7 @@ class ServerArgs:
     max_loaded_loras: int = 16
     lora_paths: list[str] | None = None
     quantization: str | None = None
+    true_on_policy_threads: int | None = None
 
 
 def lora_enabled(args: ServerArgs) -> bool:
@@ -190,6 +193,8 @@ def check_server_args(args: ServerArgs) -> None:
             "request bodies (/update_weights_from_tensor) and accepts weight pushes from anyone who can reach it. "
             "Pass --api-key KEY (from slime: --sglang-api-key KEY), or bind --host 127.0.0.1."
         )
+    if args.true_on_policy_threads is not None and args.true_on_policy_threads < 1:
+        raise ValueError(f"--true-on-policy-threads must be at least 1, got {args.true_on_policy_threads}")
     for name in (
         "max_running_requests",
         "max_queued_requests",
@@ -247,6 +252,7 @@ def build_engine(args: ServerArgs) -> CpuEngine:
         lora_target_modules=args.lora_target_modules,
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras,
+        true_on_policy_threads=args.true_on_policy_threads,
     )
     if args.quantization == "fp8":
         engine.call(lambda: weights.enable_fp8(engine.model)).result()
@@ -1156,6 +1162,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         default=None,
         choices=["fp8"],
         help="run the weights in block FP8 (a bf16/fp32 checkpoint is rounded through FP8 on load)",
+    )
+    parser.add_argument(
+        "--true-on-policy-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="report each response's log-probs as the FSDP trainer computes them, on N threads (bit-identical)",
     )
     args = ServerArgs(**vars(parser.parse_args(argv)))
     try:

@@ -169,6 +169,7 @@ class FSDPTrainRayActor(TrainRayActor):
             routed_experts=data.get("rollout_routed_experts") if self.routers is not None else None,
             vision=vision_batching(self.model, data.get("multimodal_train_inputs"), len(data["tokens"])),
             sliding_window=self.sliding_window,
+            one_sample_rows=self.args.true_on_policy_mode,
         )
 
     def _probe_micro_batches(self, probe: list[int]) -> Steps:
@@ -182,6 +183,7 @@ class FSDPTrainRayActor(TrainRayActor):
             attn_implementation=self.attn_implementation,
             vision=vision_batching(self.model, None, 1),
             sliding_window=self.sliding_window,
+            one_sample_rows=self.args.true_on_policy_mode,
         )
 
     def _forward_log_probs(self, steps: Steps, num_samples: int, temperature: float | None = None) -> list:

@@ -451,6 +451,7 @@ def build_step_micro_batches(
     routed_experts: list[torch.Tensor] | None = None,
     vision: VisionBatching | None = None,
     sliding_window: int | None = None,
+    one_sample_rows: bool = False,
 ) -> list[list[PackedMicroBatch]]:
     """Micro-batches of every optimizer step of this rank's shard, aligned across ranks.
 
@@ -466,11 +467,15 @@ def build_step_micro_batches(
         routed_experts: Each sample's engine routing, laid out with the tokens for routing replay; or None.
         vision: A vision-language model's images and M-RoPE (`add_vision_inputs`); None for a text-only model.
         sliding_window: `sliding_window_of` the model's config (shared-prompt rows mask sliding-window layers).
+        one_sample_rows: Each sample alone in its own micro-batch and row, without a mask: the forward an engine
+            runs over one sequence (`--true-on-policy-mode`); `micro_batch_size` and `max_tokens` are then unused.
 
     Returns:
         For each step, its micro-batches; padding ones (weight 0) repeat the step's first micro-batch.
     """
-    shared = attn_implementation not in VARLEN_ATTENTION
+    shared = attn_implementation not in VARLEN_ATTENTION and not one_sample_rows
+    if one_sample_rows:
+        micro_batch_size, max_tokens = 1, None
     additive = attn_implementation == "eager"
     prompt_keys = vision.prompt_keys(tokens, response_lengths) if vision is not None and shared else None
 

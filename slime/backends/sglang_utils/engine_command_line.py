@@ -207,6 +207,8 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
             **_lora_serving_options(args, every_linear="all-linear"),
             "max_loras_per_batch": max_loras_per_batch,
             "quantization": quantization,
+            # --true-on-policy-mode: the trainer ranks' thread count, which a matmul's rounding depends on
+            "true_on_policy_threads": args.train_num_threads if args.true_on_policy_mode else None,
         }
     )
 

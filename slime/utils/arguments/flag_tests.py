@@ -85,6 +85,7 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "freeze_params_name_list": ("test_flags_behaviour.py::test_freeze_and_only_train_params_keep_the_other_weights",),
     "freeze_indexer": ("test_fsdp_families.py::test_freeze_indexer_keeps_the_dsa_indexer_as_loaded",),
+    "true_on_policy_mode": ("test_true_on_policy.py::test_engine_and_trainer_log_probs_are_bit_identical",),
     # ---- LoRA --------------------------------------------------------------------------------------------------
     "lora_rank": (
         "test_fsdp_lora.py::test_lora_steps_equal_peft_with_torch_adamw",

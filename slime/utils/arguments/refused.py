@@ -77,6 +77,12 @@ REFUSED_FLAGS: dict[str, Refusal] = {
     "only_train_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
     "freeze_params_name_list": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
     "freeze_indexer": Refusal(_FSDP_ONLY, "use --train-backend fsdp", backends=("megatron",)),
+    "true_on_policy_mode": Refusal(
+        "implemented for --train-backend fsdp only so far (the engine recomputes log-probs with the HF forward the "
+        "FSDP trainer runs, not with Megatron's kernels)",
+        "use --train-backend fsdp",
+        backends=("megatron",),
+    ),
     "recompute_loss_function": Refusal(
         "recomputing the loss in backward is not implemented",
         "to save memory use --gradient-checkpointing (FSDP) or Megatron's --recompute-* flags, or lower "

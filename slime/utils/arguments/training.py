@@ -126,6 +126,14 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="Freeze the parameters whose name matches one of these regexes (re.search). FSDP only.",
     )
     group.add_argument(
+        "--true-on-policy-mode",
+        action="store_true",
+        help="CPU engines and the FSDP trainer compute bit-identical log-probs for the same weights and tokens (miles' "
+        "name): each sample is trained alone in its own row, and the engine recomputes every response's log-probs "
+        "with the trainer's forward on the trainer's thread count. Costs one extra forward per response and the "
+        "shared-prompt packing; float32 only.",
+    )
+    group.add_argument(
         "--freeze-indexer",
         action="store_true",
         help="DSA models (GLM-5, DeepSeek-V3.2): keep the lightning indexer's weights as loaded and train the rest. "

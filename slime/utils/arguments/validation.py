@@ -423,6 +423,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_flag_uses(args)
     _validate_agent(args)
     _validate_model_family(args)
+    _validate_true_on_policy(args)
     _validate_routing_replay(args)
     _validate_fully_async(args)
     _validate_lora(args)
@@ -467,6 +468,29 @@ def _validate_model_family(args: argparse.Namespace) -> None:
         _fail(
             f"--freeze-indexer: --hf-checkpoint {args.hf_checkpoint} is a {model_type} model, which has no DSA "
             f"lightning indexer (those are {', '.join(DSA_MODEL_TYPES)}); drop the flag."
+        )
+
+
+def _validate_true_on_policy(args: argparse.Namespace) -> None:
+    if not args.true_on_policy_mode:
+        return
+    if args.rollout_backend != "cpu":
+        _fail(
+            "--true-on-policy-mode needs --rollout-backend cpu: bit-identical log-probs on SGLang need its "
+            "deterministic kernels matched by the trainer's, which slime does not set up yet. Use --rollout-backend "
+            "cpu, or drop the flag and correct the gap with --use-tis."
+        )
+    why = {
+        "--bf16": args.bf16,
+        "--lora-rank": bool(args.lora_rank),
+        "--multimodal-keys": bool(args.multimodal_keys),
+        "--sglang-quantization fp8": rollout_fp8_block(args) is not None,
+    }
+    given = [flag for flag, set_ in why.items() if set_]
+    if given:
+        _fail(
+            f"--true-on-policy-mode with {', '.join(given)}: the engine's recomputation covers float32 text models "
+            "without adapters; drop one of them."
         )
 
 
