@@ -127,7 +127,7 @@ class JobProcessDied(RuntimeError):
 
 
 # How often a wait with a `peer` checks that the peer is alive.
-_PEER_CHECK_INTERVAL_S = 5.0
+_PEER_CHECK_INTERVAL_S = 2.0
 
 
 def wait_while_alive(refs: list, peer: tuple[str, Any], what: str) -> None:
