@@ -13,6 +13,7 @@ import pytest
 import ray
 from support.runs import small_run_flags, write_addition_prompts
 
+from slime.ray import actor_group
 from slime.ray.actor_group import JobProcessDied, wait_while_alive
 from slime.ray.driver import run_driver
 from slime.utils.job_reaper import PIDS_FILE_ENV
@@ -82,15 +83,15 @@ class Sleeper:
     "the driver notices within seconds (JobProcessDied, restartable) instead of waiting out the collective's "
     "30-minute timeout",
 )
-def test_a_peer_that_dies_ends_the_wait_on_ranks(ray_cluster):
-    rank, busy_peer, doomed_peer = Sleeper.remote(), Sleeper.remote(), Sleeper.remote()
-    busy_peer.sleep.remote(30)  # busy for longer than the wait: its ping answers late, which is not death
-    wait_while_alive([rank.sleep.remote(1)], ("busy peer", busy_peer), "a short call")
+def test_a_peer_that_dies_ends_the_wait_on_ranks(ray_cluster, monkeypatch):
+    monkeypatch.setattr(actor_group, "_PEER_CHECK_INTERVAL_S", 0.3)
+    rank, peer = Sleeper.remote(), Sleeper.remote()
+    peer.sleep.remote(60)  # busy through the whole wait below: its pings answer late, which is not death
+    assert wait_while_alive([rank.sleep.remote(2)], ("busy peer", peer), "a short call") is None
 
     ref = rank.sleep.remote(60)
-    threading.Timer(1.0, ray.kill, args=(doomed_peer,)).start()
+    threading.Timer(1.0, ray.kill, args=(peer,)).start()  # now it dies, busy as it is
     with pytest.raises(JobProcessDied, match="the rollout manager died during a weight update"):
-        wait_while_alive([ref], ("rollout manager", doomed_peer), "a weight update")
+        wait_while_alive([ref], ("rollout manager", peer), "a weight update")
     assert not ray.wait([ref], timeout=0)[0]  # it ended before the ranks' call did
-    for actor in (rank, busy_peer):
-        ray.kill(actor)
+    ray.kill(rank)
