@@ -207,17 +207,18 @@ class RayTrainGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def wait(self, refs: list, what: str, peer: tuple[str, Any] | None = None) -> list:
+    def wait(self, refs: list, what: str, rollout_manager: Any = None) -> list:
         """`ray.get(refs)` of per-rank calls; a rank that died is named in a JobProcessDied.
 
         Args:
             refs: One object ref per rank, in rank order.
             what: What the ranks were doing, for the message ("training on rollout 3").
-            peer: `(name, actor)` the ranks depend on while they work (the rollout manager, whose engines a weight
-                push sends to): checked every few seconds, its death also ends the wait, with a JobProcessDied. A
-                collective with a peer that is gone may otherwise wait out its 30-minute timeout.
+            rollout_manager: Given when the ranks work with its engines (a weight push, connecting to them): checked
+                every few seconds, its death also ends the wait, with a JobProcessDied. A collective with engines
+                that are gone may otherwise wait out its 30-minute timeout.
         """
-        if peer is not None:
+        if rollout_manager is not None:
+            peer = ("rollout manager", rollout_manager)
             wait_while_alive(refs, peer, f"{what}, which the {self.role}'s ranks still wait on")
         try:
             return ray.get(refs)
@@ -261,9 +262,8 @@ class RayTrainGroup:
 
     def connect_rollout_engines(self, engines: list, engine_urls: list[str], rollout_manager: Any = None) -> None:
         """Form the ranks' weight-update links with the engines (see `update_weights` for `rollout_manager`)."""
-        peer = ("rollout manager", rollout_manager) if rollout_manager is not None else None
         refs = [actor.connect_rollout_engines.remote(engines, engine_urls) for actor in self.actors]
-        self.wait(refs, "connecting to the engines", peer)
+        self.wait(refs, "connecting to the engines", rollout_manager)
 
     def update_weights(self, rollout_manager: Any = None) -> None:
         """Push the trainer's weights to the engines; a no-op under `--debug-train-only` (there are none).
@@ -274,8 +274,7 @@ class RayTrainGroup:
         """
         if self.args.debug_train_only:
             return
-        peer = ("rollout manager", rollout_manager) if rollout_manager is not None else None
-        self.wait([actor.update_weights.remote() for actor in self.actors], "a weight update", peer)
+        self.wait([actor.update_weights.remote() for actor in self.actors], "a weight update", rollout_manager)
 
     def check_weights_equal(self) -> float:
         """Largest gap between any engine's and the trainer's probe log-probs (raises past the tolerance)."""

@@ -195,8 +195,9 @@ class CpuEngine:
                 )
             if self.routers is None and any(r.return_routed_experts for r in requests):
                 raise RequestError(
-                    "return_routed_experts: this model has no top-k MoE router the CPU engine reports (dense "
-                    "models; DeepSeek-V3 / GLM-4.5 grouped routers); drop the field (and --use-rollout-routing-replay)"
+                    "return_routed_experts: this model has no MoE router the CPU engine reports (a dense model, or "
+                    "a router kind slime.utils.moe_routing.HFRouters does not know); drop the field (and "
+                    "--use-rollout-routing-replay)"
                 )
             taken = [r.rid for r in requests if r.rid in self._active]
             if taken:

@@ -455,12 +455,20 @@ def _validate_fp8_rollout(args: argparse.Namespace) -> None:
             )
 
 
+def _checkpoint_config(args: argparse.Namespace) -> dict | None:
+    """`--hf-checkpoint`'s config.json, or None when there is none to read (yet)."""
+    path = os.path.join(args.hf_checkpoint or "", "config.json")
+    if not (args.hf_checkpoint and os.path.isfile(path)):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def _validate_model_family(args: argparse.Namespace) -> None:
-    config = os.path.join(args.hf_checkpoint or "", "config.json")
-    if not os.path.isfile(config):
+    config = _checkpoint_config(args)
+    if config is None:
         return
-    with open(config) as f:
-        model_type = str(json.load(f).get("model_type"))
+    model_type = str(config.get("model_type"))
     refusal = megatron_refusal(model_type)
     if args.train_backend == "megatron" and not args.model_name and refusal:
         _fail(f"--hf-checkpoint {args.hf_checkpoint}: {refusal}.")
@@ -503,13 +511,12 @@ def _validate_routing_replay(args: argparse.Namespace) -> None:
             "the experts each token was routed to; use the default rollout or a --custom-generate-function-path "
             "that sets Sample.rollout_routed_experts."
         )
-    if args.hf_checkpoint and os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
-        with open(os.path.join(args.hf_checkpoint, "config.json")) as f:
-            if routing_shape(json.load(f)) is None:
-                _fail(
-                    f"--use-rollout-routing-replay: --hf-checkpoint {args.hf_checkpoint} is a dense model (its "
-                    "config.json names no experts); routing replay is for MoE models, drop the flag."
-                )
+    config = _checkpoint_config(args)
+    if config is not None and routing_shape(config) is None:
+        _fail(
+            f"--use-rollout-routing-replay: --hf-checkpoint {args.hf_checkpoint} is a dense model (its config.json "
+            "names no experts); routing replay is for MoE models, drop the flag."
+        )
     # Megatron's own flags under megatron.training, FSDP-only otherwise: absent from slime's Megatron subset.
     recompute = getattr(args, "recompute_granularity", None) or getattr(args, "recompute_activations", False)
     if args.train_backend == "megatron" and recompute and args.pipeline_model_parallel_size > 1:
