@@ -354,7 +354,9 @@ def test_unused_groups_go_back_fresh_or_partial():
     for partial, expected_lengths in ((True, [1, 0]), (False, [0, 0])):
         collector = Collector()
         groups = [[Sample.from_dict(aborted.to_dict()), Sample.from_dict(finished.to_dict())]]
-        assert _return_to_data_source(Namespace(partial_rollout=partial, n_samples_per_prompt=2), groups, collector) == 1
+        assert (
+            _return_to_data_source(Namespace(partial_rollout=partial, n_samples_per_prompt=2), groups, collector) == 1
+        )
         returned = collector.groups[0]
         assert [s.response_length for s in returned] == expected_lengths
         assert all(s.status == Status.PENDING and s.reward is None for s in returned)
