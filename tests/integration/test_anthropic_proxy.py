@@ -7,6 +7,7 @@ temperature 0 it really answers with a `<tool_call>` block, then with the answer
 
 import asyncio
 import json
+import os
 
 import anthropic
 import openai
@@ -268,3 +269,78 @@ def test_anthropic_adapter_served_from_its_own_thread(engine, tokenizer):
     assert sample.loss_mask == [1] * len(call) + [0] * len(tool_turn) + [1] * len(answer)
     assert again == []  # finishing twice is safe
     assert not handle.thread.is_alive()
+
+
+# A stand-in for the `claude` CLI: what Claude Code does on the wire in `-p` mode, with the real `anthropic` client
+# configured only from the environment the harness gives it (base URL, bearer token, model, HOME).
+STUB_CLAUDE = """
+import json, os, sys
+import anthropic
+
+args = sys.argv[1:]
+prompt = args[args.index("-p") + 1]
+assert args[args.index("--permission-mode") + 1] == "bypassPermissions", args
+settings = json.load(open(os.path.join(os.environ["HOME"], ".claude", "settings.json")))
+assert settings["bypassPermissionsModeAccepted"], settings
+client = anthropic.Anthropic(max_retries=0)
+messages = [{"role": "user", "content": prompt}]
+while True:
+    reply = client.messages.create(
+        model=os.environ["ANTHROPIC_MODEL"], max_tokens=96, system=SYSTEM, messages=messages, tools=[ADD_TOOL]
+    )
+    print(json.dumps({"type": "assistant", "stop_reason": reply.stop_reason}), flush=True)
+    if reply.stop_reason != "tool_use":
+        break
+    [call] = [block for block in reply.content if block.type == "tool_use"]
+    messages += [
+        {"role": "assistant", "content": [block.model_dump() for block in reply.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": str(sum(call.input.values()))}]},
+    ]
+print(json.dumps({"type": "result", "result": reply.content[0].text}), flush=True)
+"""
+
+
+def test_claude_code_harness_drives_its_cli_through_the_adapter(engine, tokenizer):
+    """ClaudeCodeHarness.run in a LocalSandbox with network: it finds the CLI, writes its settings under the run's
+    HOME, and the CLI, knowing only the environment the harness set, holds a tool-using conversation with the
+    AnthropicAdapter under the session id; the session's sample is the conversation token for token."""
+    import sys
+
+    from slime.agent.harness import ClaudeCodeHarness
+    from slime.agent.sandbox import LocalSandbox, SandboxLimits
+
+    adapter = AnthropicAdapter(tokenizer=tokenizer, sglang_url=engine, api_key=API_KEY, max_turns_per_sid=4)
+    handle = run_app_in_thread(adapter.app)
+    harness = ClaudeCodeHarness()
+
+    async def rollout():
+        adapter.open_session("claude-1", sampling_defaults=SAMPLING)
+        async with LocalSandbox(SandboxLimits(allow_network=True, memory_mb=4096)) as sb:
+            constants = f"SYSTEM = {SYSTEM!r}\nADD_TOOL = {ADD_TOOL!r}\n"
+            await sb.write_file("bin/claude", f"#!{sys.executable}\n{constants}{STUB_CLAUDE}")
+            os.chmod(sb.path("bin/claude"), 0o755)
+            harness.binary = sb.path("bin/claude")  # where this machine has "claude"; the real one is on the PATH
+            code = await harness.run(
+                sb, workdir=sb.workdir, session_id="claude-1", adapter_url=handle.url, time_budget_sec=120,
+                prompt=QUESTION,
+            )  # fmt: skip
+            output = await sb.read_file(".harness/output.log")
+        samples = await adapter.finish_session("claude-1", base_sample=Sample(index=0, prompt=CHAT), reward=1.0)
+        return code, output, samples
+
+    try:
+        code, output, samples = asyncio.run(rollout())
+    finally:
+        handle.stop()
+    assert code == 0, output
+    events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert [e.get("stop_reason") for e in events[:2]] == ["tool_use", "end_turn"]
+    assert events[-1] == {"type": "result", "result": ANSWER}
+    [sample] = samples
+    call, tool_turn, answer = (
+        ids(tokenizer, CALL + "<|im_end|>"),
+        ids(tokenizer, "\n" + TOOL_TURN),
+        ids(tokenizer, ANSWER + "<|im_end|>"),
+    )
+    assert sample.tokens[sample.prompt_length :] == call + tool_turn + answer
+    assert sample.loss_mask == [1] * len(call) + [0] * len(tool_turn) + [1] * len(answer)

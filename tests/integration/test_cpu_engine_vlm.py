@@ -270,3 +270,34 @@ def test_router_forwards_image_data(server, tokenizer, tmp_path):
         )
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["prompt_tokens"] == direct["meta_info"]["prompt_tokens"]
+
+
+def test_qwen3_vl_is_served_as_hf_scores_it(tmp_path_factory, tokenizer):
+    """A tiny Qwen3-VL (deepstack visual features, interleaved M-RoPE, 16-pixel patches): /generate with two images
+    and chat with an image_url part score their tokens as one HF forward does."""
+    from support.tiny_vlm import build_tiny_vlm
+
+    model_dir = build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / "qwen3_vl", arch="qwen3_vl")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert model.config.model_type == "qwen3_vl"
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    with engine_server(model_dir) as (_, url):
+        prompt = chat_ids(tokenizer, 2)
+        answer = sample(url, prompt, [png_base64(i) for i in IMAGES], temperature=0.8, sampling_seed=3)
+        output, log_probs = tokens_and_log_probs(answer)
+        expected, prompt_length = hf_log_probs(model, processor, prompt, output, IMAGES, temperature=0.8)
+        assert answer["meta_info"]["prompt_tokens"] == prompt_length > len(prompt)
+        torch.testing.assert_close(log_probs, expected, atol=1e-4, rtol=0)
+
+        image_url = f"data:image/png;base64,{png_base64(IMAGES[1])}"
+        content = [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "what is 1+2?"}]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 5, "temperature": 0, "logprobs": True}
+        response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        native = sample(url, chat_ids(tokenizer, 1), [png_base64(IMAGES[1])], temperature=0, max_new_tokens=5)
+        assert choice["message"]["content"] == native["text"]
+        output, _ = tokens_and_log_probs(native)
+        expected, _ = hf_log_probs(model, processor, chat_ids(tokenizer, 1), output, [IMAGES[1]])
+        got = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

@@ -14,7 +14,9 @@ folder with `pip install --target DIR --no-deps`) on PYTHONPATH is enough:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -311,3 +313,17 @@ def test_keyed_launch_hands_the_key_to_the_server_but_not_to_its_command_line(tm
     assert seen["env"] is None  # nor do the server's own children inherit it
     unkeyed = subprocess.run(launch, env=env, capture_output=True, text=True, check=True)
     assert json.loads(unkeyed.stdout)["argv"] == ["--port", "1"]
+
+
+def test_vision_language_launch_serves_images_from_the_checkpoint(sglang_cli, tiny_vlm_dir):
+    """--multimodal-keys with a VL checkpoint: SGLang loads that folder with multimodal serving on; nothing in the
+    command keeps the engine from reading images (no tokenizer-less start) and a text run leaves SGLang to decide."""
+    vl = [*BASE[: BASE.index("--hf-checkpoint")], "--hf-checkpoint", str(tiny_vlm_dir)]
+    vl += BASE[BASE.index("--hf-checkpoint") + 2 :]
+    parsed = vars(sglang_cli.parser.parse_args(launch_command([*vl, "--multimodal-keys", '{"image": "images"}'])))
+    assert parsed["model_path"] == str(tiny_vlm_dir)
+    assert parsed["enable_multimodal"] is True and not parsed["skip_tokenizer_init"]
+    assert not vars(sglang_cli.parser.parse_args(launch_command(vl)))["enable_multimodal"]
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as stderr:
+        parse_args([*vl, "--multimodal-keys", '{"image": "images"}', "--sglang-enable-multimodal"])
+    assert "--sglang-enable-multimodal is set by slime itself; use --multimodal-keys" in stderr.getvalue()

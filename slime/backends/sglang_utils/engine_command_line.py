@@ -119,7 +119,8 @@ def build_sglang_server_args(
     Args:
         args: slime's parsed arguments; reads `sglang_server_args` (dict of user `--sglang-*` flags),
             `offload_rollout` (adds `--enable-memory-saver` so weights and KV cache can be released),
-            `use_rollout_routing_replay` (adds `--enable-return-routed-experts`) and `trust_remote_code`.
+            `use_rollout_routing_replay` (adds `--enable-return-routed-experts`), `multimodal_keys` (adds
+            `--enable-multimodal`) and `trust_remote_code`.
         model_path: HF checkpoint directory the engine loads.
         host: Address the HTTP server binds.
         port: HTTP port.
@@ -159,6 +160,8 @@ def build_sglang_server_args(
         "enable_memory_saver": bool(args.offload_rollout),
         "enable_return_routed_experts": bool(args.use_rollout_routing_replay),
         "trust_remote_code": bool(args.trust_remote_code),
+        # SGLang would also detect a vision-language checkpoint itself; said outright, a VL run never depends on it.
+        "enable_multimodal": bool(args.multimodal_keys),
         **_lora_serving_options(args, every_linear="all"),
     }
     if lora_enabled(args) and args.offload_rollout:

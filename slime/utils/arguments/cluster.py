@@ -32,6 +32,7 @@ SGLANG_MANAGED_FIELDS: dict[str, str] = {
     "enable_memory_saver": "--offload-rollout",
     "skip_server_warmup": "nothing (slime decides)",
     "trust_remote_code": "--trust-remote-code",
+    "enable_multimodal": "--multimodal-keys",
 }
 
 
