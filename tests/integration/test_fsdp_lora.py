@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import safe_open
 from safetensors.torch import load_file
 from support.engines import cpu_engine_process, engine_prompt_log_probs
 from support.fsdp import CAPTURE_HOOK, CAPTURED, make_args, make_rollout, new_actor, plain_response_log_probs
@@ -243,6 +245,10 @@ class RecordingClient(EngineClient):
         self.adapters.append(body)
         return super().load_lora_adapter_from_tensors(**body)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str):
+        self.adapters.append({"lora_name": lora_name, "lora_path": lora_path})
+        return super().load_lora_adapter(lora_name, lora_path)
+
     def generate(self, payload: dict):
         self.adapter_probes += (
             payload.get("lora_path") == POLICY_ADAPTER and payload["sampling_params"].get("max_new_tokens") == 0
@@ -250,15 +256,20 @@ class RecordingClient(EngineClient):
         return super().generate(payload)
 
 
-@pytest.mark.parametrize("colocate", [False, True], ids=["by-value", "shared-memory"])
-def test_pushes_send_only_the_adapter_which_the_engine_serves(tiny_model_dir, colocate):
-    """Disaggregated, the adapter goes in the request body; colocated with a CPU engine, through a shared-memory
-    segment the trainer reuses for every push (the engine copies the adapter out)."""
+@pytest.mark.parametrize("transport", ["by-value", "shared-memory", "disk"])
+def test_pushes_send_only_the_adapter_which_the_engine_serves(tiny_model_dir, transport, tmp_path):
+    """Disaggregated, the adapter goes in the request body, or with --update-weight-transport disk as a PEFT folder
+    the engine loads by path; colocated with a CPU engine, through a shared-memory segment the trainer reuses for
+    every push (the engine copies the adapter out)."""
+    colocate = transport == "shared-memory"
     probe = make_rollout(1, seed=11)["tokens"][0]
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     base = plain_response_log_probs(plain, probe, len(probe) - 1)
+    disk_dir = tmp_path / "pushes"
     with cpu_engine_process(tiny_model_dir, "--enable-lora", "--max-lora-rank", "4") as (client, url):
-        layout = ["--colocate"] if colocate else []
+        layout = {"by-value": [], "shared-memory": ["--colocate"]}.get(transport)
+        if layout is None:
+            layout = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(disk_dir)]
         actor = new_actor(make_args(tiny_model_dir, *LORA, *SFT, "--check-lora-weight-equal", *layout))
         client = RecordingClient(url)
         actor.connect_rollout_engines([client], [url])
@@ -277,17 +288,27 @@ def test_pushes_send_only_the_adapter_which_the_engine_serves(tiny_model_dir, co
             assert (engine_prompt_log_probs(client, probe) - base).abs().max().item() < 1e-5  # the base is untouched
         # Each push carried the adapter's tensors only (PEFT names), no base weight.
         assert len(client.adapters) == 2
-        last = client.adapters[-1]["serialized_tensors"]
-        if colocate:
-            assert [body["load_format"] for body in client.adapters] == [SHARED_MEMORY_FORMAT] * 2
-            segments = [parse_shared_payload(body["serialized_tensors"]).segment for body in client.adapters]
-            assert segments[0] == segments[1]  # one segment for every push: the engine holds a copy
-            pushed = parse_shared_payload(last).tensors
+        if transport == "disk":
+            # Each push a PEFT folder named by its version; the first is gone once the engine holds the second.
+            first, last = (Path(body["lora_path"]) for body in client.adapters)
+            assert first.name.startswith("weights-v1-slime-policy-") and last.name.startswith("weights-v2-")
+            assert sorted(p.name for p in disk_dir.iterdir() if not p.name.startswith(".")) == [last.name]
+            with safe_open(last / "adapter_model.safetensors", "pt") as saved:
+                assert all(torch.equal(saved.get_tensor(n), t) for n, t in adapter_of(actor).items())
+                assert set(saved.keys()) == set(adapter_of(actor))
+            assert json.loads((last / "adapter_config.json").read_text())["r"] == 4
         else:
-            assert [body["load_format"] for body in client.adapters] == [None] * 2
-            pushed = deserialize_named_tensors(last)
-        assert {tensor.name if colocate else tensor[0] for tensor in pushed} == set(adapter_of(actor))
-        assert client.adapters[-1]["config_dict"]["r"] == 4 and client.adapters[-1]["lora_name"] == POLICY_ADAPTER
+            last = client.adapters[-1]["serialized_tensors"]
+            if colocate:
+                assert [body["load_format"] for body in client.adapters] == [SHARED_MEMORY_FORMAT] * 2
+                segments = [parse_shared_payload(body["serialized_tensors"]).segment for body in client.adapters]
+                assert segments[0] == segments[1]  # one segment for every push: the engine holds a copy
+                pushed = parse_shared_payload(last).tensors
+            else:
+                assert [body["load_format"] for body in client.adapters] == [None] * 2
+                pushed = deserialize_named_tensors(last)
+            assert {tensor.name if colocate else tensor[0] for tensor in pushed} == set(adapter_of(actor))
+            assert client.adapters[-1]["config_dict"]["r"] == 4 and client.adapters[-1]["lora_name"] == POLICY_ADAPTER
 
         # An adapter the engine computes differently (here: a config that doubles the scaling) fails the check.
         actor.weight_updater.transport.config["lora_alpha"] = 16

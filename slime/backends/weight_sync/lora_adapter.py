@@ -9,8 +9,13 @@ is replaced under its own name (`slime-policy-<k>`), all before the one version 
 
 The tensors travel in the form the engine reads: to a colocated CPU engine through a shared-memory segment the
 trainer keeps (`stage_named_tensors`; the engine copies the adapter out, so the same segment serves every push);
-otherwise pickled, in slime's by-value form for the CPU engine (its restricted unpickler, `serialize_named_tensors`)
-or in torch's own by-value pickling for SGLang, whose restricted unpickler admits torch's globals only.
+with `--update-weight-transport disk`, as a PEFT folder under `--update-weight-disk-dir` that each engine loads by
+path (`/load_lora_adapter`), the older pushes' folders deleted once the engines hold the new one; otherwise pickled,
+in slime's by-value form for the CPU engine (its restricted unpickler, `serialize_named_tensors`) or in torch's own
+by-value pickling for SGLang, whose restricted unpickler admits torch's globals only.
+
+There is no broadcast form: SGLang loads adapters only from a path or from tensors in the request, so engines that
+take the full weights by broadcast (the default `--update-weight-transport`) get the adapter in the request body.
 """
 
 from __future__ import annotations
@@ -18,12 +23,18 @@ from __future__ import annotations
 import base64
 import contextlib
 import pickle
+import shutil
+import uuid
+from argparse import Namespace
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from slime.backends.weight_sync.base import WeightTransport, call_engine
+from slime.backends.weight_sync.disk import DISK_FLAG, FOLDER_KIND, DiskTarget, prepare_disk_target
+from slime.utils import atomic_dir
 from slime.utils.engine_args import CPU_ENGINE_CONTROL_MAX_BODY_BYTES
 from slime.utils.lora import POLICY_ADAPTER, split_by_adapter
+from slime.utils.lora_export import write_adapter_folder
 from slime.utils.weight_sync import Bucket
 from slime.utils.weight_transport import SHARED_MEMORY_FORMAT, serialize_named_tensors, stage_named_tensors
 
@@ -40,21 +51,41 @@ class LoraAdapterTransport(WeightTransport):
         rollout_backend: "cpu" (slime's CPU engine) or "sglang": how the tensors are pickled.
         shared_memory: Send through a shared-memory segment (a colocated CPU engine) instead of a pickle.
         segment_tag: The job's `segment_tag` for that segment's name (from the engines' API key).
+        disk_args: The flags of `--update-weight-transport disk` (`update_weight_disk_dir`, `hf_checkpoint`, ...):
+            push PEFT folders there instead.
+        disk_target: The target of an earlier connection (reconnecting): go on deleting the folders it pushed.
     """
 
     adapter = POLICY_ADAPTER
 
     def __init__(
-        self, config: dict, rollout_backend: str = "cpu", shared_memory: bool = False, segment_tag: str | None = None
+        self,
+        config: dict,
+        rollout_backend: str = "cpu",
+        shared_memory: bool = False,
+        segment_tag: str | None = None,
+        disk_args: Namespace | None = None,
+        disk_target: DiskTarget | None = None,
     ):
         self.config = config
         self.rollout_backend = rollout_backend
         self.shared_memory = shared_memory
         self.segment_tag = segment_tag
+        self.disk_args = disk_args
+        self.target = disk_target
+
+    def connect(self, engines: list, engine_urls: list[str], rank: int, world_size: int) -> None:
+        """On rank 0 with disk pushes, check `--update-weight-disk-dir` (ValueError naming the flag)."""
+        super().connect(engines, engine_urls, rank, world_size)
+        if rank == 0 and self.disk_args is not None and self.target is None:
+            self.target = prepare_disk_target(self.disk_args)
 
     def push(self, buckets: Iterable[Bucket], version: str) -> None:
         tensors = [(name, tensor.cpu()) for bucket in buckets for name, tensor in bucket]  # every rank: a collective
         if self.rank != 0:
+            return
+        if self.target is not None:
+            self._push_folders(split_by_adapter(tensors), version)
             return
         payloads = []  # (adapter, payload, load format)
         for k, (adapter, named) in enumerate(split_by_adapter(tensors).items()):
@@ -82,6 +113,43 @@ class LoraAdapterTransport(WeightTransport):
         with ThreadPoolExecutor(max_workers=max(len(self.engines), 1)) as pool:
             for future in [pool.submit(replace, engine) for engine in self.engines]:
                 future.result()
+
+    def _push_folders(self, adapters: dict[str, list], version: str) -> None:
+        """Write each adapter as a PEFT folder (staged, then renamed into place), have every engine load it by path,
+        then delete the folders of earlier pushes (slime-marked ones only, unless `--update-weight-disk-keep-files`)."""
+        target = self.target
+        folders = {}
+        for adapter, named in adapters.items():
+            final = target.root / f"weights-v{version}-{adapter}-{uuid.uuid4().hex[:8]}"
+            staging = atomic_dir.create_staging(final, FOLDER_KIND, DISK_FLAG)
+            try:
+                write_adapter_folder(staging, dict(named), self.config)
+                folders[adapter] = atomic_dir.publish(staging, final, FOLDER_KIND, DISK_FLAG)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            target.pushed.append(folders[adapter])
+        if target.post_write is not None:
+            for folder in folders.values():
+                target.post_write(str(folder), self.engines)
+
+        def replace(engine) -> None:
+            for adapter, folder in folders.items():
+                with contextlib.suppress(Exception):  # as in `push`: a new engine has none to unload
+                    call_engine(engine, "unload_lora_adapter", lora_name=adapter)
+                call_engine(engine, "load_lora_adapter", lora_name=adapter, lora_path=str(folder))
+            call_engine(engine, "update_weight_version", new_version=version)
+
+        with ThreadPoolExecutor(max_workers=max(len(self.engines), 1)) as pool:
+            for future in [pool.submit(replace, engine) for engine in self.engines]:
+                future.result()
+        if target.keep_files:
+            return
+        current = set(folders.values())
+        for old in [folder for folder in target.pushed if folder not in current]:
+            if atomic_dir.is_slime_folder(old):  # never delete what slime did not write
+                shutil.rmtree(old, ignore_errors=True)
+        target.pushed = [folder for folder in target.pushed if folder in current]
 
     def _payload(self, tensors: list) -> str:
         """`serialized_tensors`: a base64 pickle of the {name: tensor} dict SGLang's endpoint reads."""

@@ -33,7 +33,7 @@ def choose_transport(
     - `--colocate`: tensors on this host; through sealed shared-memory segments when the trainer's tensors are on CPU
       (`SharedMemoryTransport`), as CUDA IPC handles otherwise or where there is no memfd (`CudaIpcTransport`).
     - `--lora-rank`: only the adapter (`LoraAdapterTransport`): through a shared-memory segment to a colocated CPU
-      engine, in the request body otherwise.
+      engine, as a PEFT folder with `--update-weight-transport disk`, in the request body otherwise.
     - `--update-weight-transport disk`: a HF folder the engines load (`DiskTransport`); with `--update-weight-mode
       delta`, after the first push, a folder of only the changes that the engines apply to their weights.
     - otherwise: a broadcast from training rank 0 over a group with every engine rank (`BroadcastTransport`).
@@ -51,7 +51,15 @@ def choose_transport(
     if adapter_config is not None:
         colocated_cpu = args.colocate and args.rollout_backend == "cpu" and shared_memory_available()
         tag = segment_tag(engine_api_key(args))
-        return LoraAdapterTransport(adapter_config, args.rollout_backend, shared_memory=colocated_cpu, segment_tag=tag)
+        disk = args.update_weight_transport == "disk" and not args.colocate
+        return LoraAdapterTransport(
+            adapter_config,
+            args.rollout_backend,
+            shared_memory=colocated_cpu,
+            segment_tag=tag,
+            disk_args=args if disk else None,
+            disk_target=previous.target if disk and isinstance(previous, LoraAdapterTransport) else None,
+        )
     transport = _full_weight_transport(args, device, previous)
     transport.fp8_block = rollout_fp8_block(args)
     return transport

@@ -48,7 +48,10 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "sequence_parallel": ("test_flag_effects.py::test_megatron_precision_and_parallel_flags_reach_the_config",),
     # ---- weight sync and staleness ----------------------------------------------------------------------------
-    "update_weight_transport": ("test_weight_sync_disk.py::test_disk_push_makes_engine_match_trainer",),
+    "update_weight_transport": (
+        "test_weight_sync_disk.py::test_disk_push_makes_engine_match_trainer",
+        "test_fsdp_lora.py::test_pushes_send_only_the_adapter_which_the_engine_serves",
+    ),
     "update_weight_disk_dir": (
         "test_weight_sync_disk.py::test_disk_push_makes_engine_match_trainer",
         "test_weight_sync_disk.py::test_unwritable_disk_dir_is_a_clear_error",

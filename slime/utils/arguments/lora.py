@@ -168,11 +168,6 @@ def _validate_lora(args: argparse.Namespace) -> None:
                 "--lora-rank the engines serve --hf-checkpoint as the base and receive only the adapter, so the "
                 f"trainer's base must be the same; pass --hf-checkpoint {args.load}."
             )
-    if args.update_weight_transport == "disk" and not args.colocate:
-        _fail(
-            "--lora-rank pushes the adapter in the request body (it is small); --update-weight-transport disk is not "
-            "used for adapters yet: drop it."
-        )
     if count > 1:
         _validate_multi_lora(args)
     if args.train_backend == "megatron":
