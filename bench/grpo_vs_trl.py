@@ -46,16 +46,28 @@ class PeakMemory:
 
     rss: float
     pss: float
+    by_process: dict[str, float]  # GiB of PSS per kind of process (Ray actor class or program) at the PSS peak
+
+
+def process_kind(process: psutil.Process) -> str:
+    """A Ray worker by its actor class (`ray::RolloutManager.generate` -> ray::RolloutManager), else the program."""
+    cmdline = process.cmdline()
+    if cmdline and cmdline[0].startswith("ray::"):
+        return cmdline[0].split(".")[0]
+    if process.name().startswith("python") and len(cmdline) > 1:  # python's script or -m module names it
+        return " ".join(cmdline[1:3] if cmdline[1] in ("-m", "-c") else cmdline[1:2])[:40]
+    return process.name()
 
 
 def run_and_measure(command: list[str], env: dict[str, str]) -> tuple[int, PeakMemory]:
     """Run `command`; return its exit code and the peak memory of its process tree (sampled every 0.2 s)."""
     process = subprocess.Popen(command, env=env, cwd=REPO)
     peak_rss = peak_pss = 0
+    peak_kinds: dict[str, float] = {}
     stop = threading.Event()
 
     def sample():
-        nonlocal peak_rss, peak_pss
+        nonlocal peak_rss, peak_pss, peak_kinds
         root = psutil.Process(process.pid)
         while not stop.is_set():
             try:
@@ -63,13 +75,18 @@ def run_and_measure(command: list[str], env: dict[str, str]) -> tuple[int, PeakM
             except psutil.Error:
                 tree = []
             rss = pss = 0
+            kinds: dict[str, float] = {}
             for p in tree:
                 try:
                     info = p.memory_full_info()
-                    rss, pss = rss + info.rss, pss + info.pss
+                    kind = process_kind(p)
                 except psutil.Error:
-                    pass
-            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+                    continue
+                rss, pss = rss + info.rss, pss + info.pss
+                kinds[kind] = kinds.get(kind, 0) + info.pss / 2**30
+            peak_rss = max(peak_rss, rss)
+            if pss > peak_pss:
+                peak_pss, peak_kinds = pss, kinds
             stop.wait(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -77,7 +94,7 @@ def run_and_measure(command: list[str], env: dict[str, str]) -> tuple[int, PeakM
     code = process.wait()
     stop.set()
     sampler.join()
-    return code, PeakMemory(peak_rss / 2**30, peak_pss / 2**30)
+    return code, PeakMemory(peak_rss / 2**30, peak_pss / 2**30, peak_kinds)
 
 
 def mean_after_first(times: list[float]) -> float:
@@ -90,7 +107,7 @@ def lora_flags(rank: int) -> list[str]:
 
 
 def bench_slime(
-    model: str, data: Path, steps: int, workdir: Path, max_tokens: int, lora_rank: int = 0
+    model: str, data: Path, steps: int, workdir: Path, max_tokens: int, lora_rank: int = 0, extra: tuple[str, ...] = ()
 ) -> tuple[float, PeakMemory]:
     save_dir = workdir / f"slime-lora{lora_rank}"
     command = [
@@ -105,6 +122,7 @@ def bench_slime(
         "--train-num-threads", "1", "--cpu-engine-num-threads", "1",
         "--save", str(save_dir),
         *(lora_flags(lora_rank) if lora_rank else []),
+        *extra,
     ]  # fmt: skip
     code, peak = run_and_measure(command, dict(os.environ))
     if code != 0:
@@ -174,12 +192,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-tokens-per-gpu", type=int, default=512, help="slime's micro-batch token budget")
     parser.add_argument("--lora", type=int, default=0, metavar="R", help="train rank-R LoRA adapters on both sides")
+    parser.add_argument(
+        "--slime-flags", default="", help="more train.py flags for slime's run, e.g. '--gradient-checkpointing'"
+    )
     args = parser.parse_args()
     model = str(Path(args.model).resolve())
     data = Path(args.data).resolve()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        rows["slime"] = bench_slime(model, data, args.steps, Path(tmp), args.max_tokens_per_gpu, args.lora)
+        extra = tuple(args.slime_flags.split())
+        rows["slime"] = bench_slime(model, data, args.steps, Path(tmp), args.max_tokens_per_gpu, args.lora, extra)
         rows["TRL"] = bench_trl(model, data, args.steps, Path(tmp), args.lora)
         if args.lora:
             rows["TRL full"] = bench_trl(model, data, args.steps, Path(tmp))
@@ -195,6 +217,14 @@ def main() -> None:
     if args.lora:
         full = rows["TRL full"][1]
         print(f"slime-LoRA PSS / TRL full fine-tune PSS: {slime_peak.pss / full.pss:.2f}")
+    print_breakdown(slime_peak)
+
+
+def print_breakdown(peak: PeakMemory) -> None:
+    """slime's PSS at its peak, by kind of process (where the footprint of a multi-process run goes)."""
+    print("slime's peak PSS by process:")
+    for kind, gib in sorted(peak.by_process.items(), key=lambda item: -item[1]):
+        print(f"  {kind:40} {gib:6.2f} GiB")
 
 
 if __name__ == "__main__":
