@@ -56,6 +56,17 @@ def ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def assert_is_the_tool_conversation(sample: Sample, tokenizer) -> None:
+    """The sample's response is the call, the tool's turn and the answer, with the tool's turn masked out."""
+    call, tool_turn, answer = (
+        ids(tokenizer, CALL + "<|im_end|>"),
+        ids(tokenizer, "\n" + TOOL_TURN),
+        ids(tokenizer, ANSWER + "<|im_end|>"),
+    )
+    assert sample.tokens[sample.prompt_length :] == call + tool_turn + answer
+    assert sample.loss_mask == [1] * len(call) + [0] * len(tool_turn) + [1] * len(answer)
+
+
 class Harness:
     """A running proxy in front of the engine, with the sessions and clients a test opens (closed at the end)."""
 
@@ -260,13 +271,7 @@ def test_anthropic_adapter_served_from_its_own_thread(engine, tokenizer):
     assert second.content[0].text == ANSWER
     [sample] = samples
     assert sample.reward == 1.0 and sample.metadata == {"task": "add", "rc": 0} and sample.session_id == "cagent-1"
-    call, tool_turn, answer = (
-        ids(tokenizer, CALL + "<|im_end|>"),
-        ids(tokenizer, "\n" + TOOL_TURN),
-        ids(tokenizer, ANSWER + "<|im_end|>"),
-    )
-    assert sample.tokens[sample.prompt_length :] == call + tool_turn + answer
-    assert sample.loss_mask == [1] * len(call) + [0] * len(tool_turn) + [1] * len(answer)
+    assert_is_the_tool_conversation(sample, tokenizer)
     assert again == []  # finishing twice is safe
     assert not handle.thread.is_alive()
 
@@ -337,10 +342,4 @@ def test_claude_code_harness_drives_its_cli_through_the_adapter(engine, tokenize
     assert [e.get("stop_reason") for e in events[:2]] == ["tool_use", "end_turn"]
     assert events[-1] == {"type": "result", "result": ANSWER}
     [sample] = samples
-    call, tool_turn, answer = (
-        ids(tokenizer, CALL + "<|im_end|>"),
-        ids(tokenizer, "\n" + TOOL_TURN),
-        ids(tokenizer, ANSWER + "<|im_end|>"),
-    )
-    assert sample.tokens[sample.prompt_length :] == call + tool_turn + answer
-    assert sample.loss_mask == [1] * len(call) + [0] * len(tool_turn) + [1] * len(answer)
+    assert_is_the_tool_conversation(sample, tokenizer)

@@ -145,23 +145,31 @@ def test_batch_mixes_image_and_text_prompts(server, tokenizer, ref_model, image_
         torch.testing.assert_close(log_probs, expected, atol=1e-4, rtol=0)
 
 
-def test_chat_with_image_url(server, tokenizer, ref_model, image_processor):
-    url = f"data:image/png;base64,{png_base64(IMAGES[0])}"
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is 1+2?"}]
-    response = requests.post(
-        f"{server}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0, "logprobs": True},
-        timeout=120,
-    )
+def check_chat_with_image_url(url: str, tokenizer, model, processor, image, max_tokens: int) -> None:
+    """Greedy chat with an image_url part answers as /generate with that image does, and scores its tokens as one
+    HF forward does."""
+    image_url = f"data:image/png;base64,{png_base64(image)}"
+    content = [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "what is 1+2?"}]
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
-    native = sample(server, chat_ids(tokenizer, 1), [png_base64(IMAGES[0])], temperature=0, max_new_tokens=6)
+    native = sample(url, chat_ids(tokenizer, 1), [png_base64(image)], temperature=0, max_new_tokens=max_tokens)
     assert choice["message"]["content"] == native["text"]
     output, _ = tokens_and_log_probs(native)
-    expected, prompt_length = hf_log_probs(ref_model, image_processor, chat_ids(tokenizer, 1), output, [IMAGES[0]])
+    expected, prompt_length = hf_log_probs(model, processor, chat_ids(tokenizer, 1), output, [image])
     got = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     assert response.json()["usage"]["prompt_tokens"] == prompt_length
+
+
+def test_chat_with_image_url(server, tokenizer, ref_model, image_processor):
+    check_chat_with_image_url(server, tokenizer, ref_model, image_processor, IMAGES[0], max_tokens=6)
 
 
 @pytest.mark.parametrize(
@@ -289,15 +297,4 @@ def test_qwen3_vl_is_served_as_hf_scores_it(tmp_path_factory, tokenizer):
         assert answer["meta_info"]["prompt_tokens"] == prompt_length > len(prompt)
         torch.testing.assert_close(log_probs, expected, atol=1e-4, rtol=0)
 
-        image_url = f"data:image/png;base64,{png_base64(IMAGES[1])}"
-        content = [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "what is 1+2?"}]
-        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 5, "temperature": 0, "logprobs": True}
-        response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        choice = response.json()["choices"][0]
-        native = sample(url, chat_ids(tokenizer, 1), [png_base64(IMAGES[1])], temperature=0, max_new_tokens=5)
-        assert choice["message"]["content"] == native["text"]
-        output, _ = tokens_and_log_probs(native)
-        expected, _ = hf_log_probs(model, processor, chat_ids(tokenizer, 1), output, [IMAGES[1]])
-        got = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        check_chat_with_image_url(url, tokenizer, model, processor, IMAGES[1], max_tokens=5)
