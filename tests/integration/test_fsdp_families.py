@@ -5,6 +5,8 @@ to an engine serving the family makes it compute what the trainer's weights comp
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from support.engines import cpu_engine_process, engine_prompt_log_probs
@@ -27,8 +29,7 @@ def prompt_log_probs(model, tokens: list[int]) -> torch.Tensor:
 
 
 def greedy(model, tokens: list[int], steps: int) -> list[int]:
-    """HF's own cached greedy decoding (up to an EOS). For the DSA families it can pick other tokens than re-running
-    the whole sequence at each step does (seen on these tiny models), so the engine is held to HF's decoding."""
+    """HF's own cached greedy decoding (up to an EOS)."""
     with torch.no_grad():
         out = model.generate(torch.tensor([tokens]), max_new_tokens=steps, do_sample=False, use_cache=True)
     return out[0, len(tokens) :].tolist()
@@ -59,8 +60,24 @@ def test_fsdp_trains_each_family_and_the_engine_serves_its_weights(tmp_path, fam
         # decoding with the engine's cache (a recurrent state, a sliding window, an indexer's keys) = HF's
         sampling = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
         engine_greedy = client.generate({"input_ids": PROBE[:5], "sampling_params": sampling})["output_ids"]
+        # Requests of different lengths at once: prefilled together, or joining a running batch (whose caches merge,
+        # or, for a family whose cache cannot be left-padded, wait for it), each answers as it would alone.
+        prompts = [PROBE[:3], PROBE[:9], PROBE[2:7]]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(
+                pool.map(
+                    lambda p: client.generate({"input_ids": p, "sampling_params": sampling})["output_ids"], prompts
+                )
+            )
     expected_greedy = greedy(trained, PROBE[:5], 8)
     assert expected_greedy and engine_greedy[: len(expected_greedy)] == expected_greedy
+    for prompt, answer in zip(prompts, answers, strict=True):
+        expected = greedy(trained, prompt, 8)
+        assert expected and answer[: len(expected)] == expected, (prompt, answer, expected)
+    # Cached decoding and a full re-run of the sequence agree (the trainer's forward is the latter).
+    with torch.no_grad():
+        rerun = trained(input_ids=torch.tensor([PROBE[:5] + expected_greedy]), use_cache=False).logits[0, 4:-1]
+    assert rerun.argmax(-1).tolist() == expected_greedy
     print(f"{family}: packed {packed_gap:.2e}, stale {stale_gap:.2e}, engine after the push {engine_gap:.2e}")
     assert packed_gap < 1e-5
     assert stale_gap > 1e-2  # the step changed what the weights compute, so the push had something to carry

@@ -67,11 +67,14 @@ _LINEAR_ATTENTION = dict(
     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
     layer_types=["linear_attention", "full_attention"],
 )  # fmt: skip
-# DeepSeek-V3.2 / GLM-5: multi-latent attention whose lightning indexer lets each query attend to its top 4 keys.
+# DeepSeek-V3.2 / GLM-5: multi-latent attention whose lightning indexer lets each query attend to its top 4 keys. Its
+# score per key sums ReLU'd heads, so with few heads many keys score exactly 0 and which tied key makes the top 4
+# depends on the sequence's length: a full forward and cached decoding then attend to different keys. 16 heads (the
+# real models have 32-64) make such ties as rare as in the real models.
 _DSA = dict(
     num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
     topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2,
+    qk_nope_head_dim=16, v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=16,
 )  # fmt: skip
 NEW_FAMILIES: dict[str, dict] = {
     "deepseek_v32": dict(_DSA, head_dim=8),

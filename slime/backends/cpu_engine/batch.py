@@ -235,9 +235,12 @@ def response_log_probs(model, prompt_ids: list[int], output_ids: list[int], temp
 
 
 def caches_can_merge(cache: DynamicCache) -> bool:
-    """Only full-attention key/value layers can be left-padded: a sliding window moves, and a linear-attention layer
-    (Qwen3-Next, Qwen3.5) keeps a recurrent state instead of keys and values."""
-    return all(getattr(layer, "is_sliding", True) is False for layer in cache.layers)
+    """Only full-attention key/value layers can be left-padded: a sliding window moves, a linear-attention layer
+    (Qwen3-Next, Qwen3.5) keeps a recurrent state instead of keys and values, and a DSA layer (DeepSeek-V3.2, GLM-5)
+    keeps its indexer's keys beside them, which a merge of keys and values would drop."""
+    return all(
+        getattr(layer, "is_sliding", True) is False and not hasattr(layer, "indexer_keys") for layer in cache.layers
+    )
 
 
 def _layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
