@@ -311,6 +311,21 @@ def test_megatron_subset_parses_under_fsdp():
     assert args.tensor_model_parallel_size == 2 and args.calculate_per_token_loss is True
 
 
+@pytest.mark.reliability(
+    "--mtp-num-layers (Megatron's) or --enable-mtp-training (upstream slime's)",
+    "refused at parse time: MTP layers are not trained yet; the main model trains and SGLang's NEXTN drafts with the "
+    "checkpoint's MTP weights",
+)
+def test_mtp_flags_are_refused_naming_what_still_works():
+    megatron = without(BASE, "--train-backend") + ["--train-backend", "megatron"]
+    for extra in (["--mtp-num-layers", "1"], ["--mtp-num-layers", "1", "--enable-mtp-training"]):
+        with pytest.raises(ArgumentValidationError, match="multi-token-prediction") as error:
+            parse_args(megatron + extra)
+        assert "--sglang-speculative-algorithm NEXTN" in str(error.value)
+    with pytest.raises(ArgumentValidationError, match="--enable-mtp-training is not supported: training the multi"):
+        parse_args(BASE + ["--enable-mtp-training"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is not None, reason="megatron installed")
 def test_megatron_backend_without_megatron_keeps_model_flags(caplog):
     with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):

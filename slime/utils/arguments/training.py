@@ -140,6 +140,11 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "FSDP only.",
     )
     group.add_argument("--allgather-cp", action="store_true", help="All-gather context-parallel chunks (DSA models).")
+    group.add_argument(
+        "--enable-mtp-training",
+        action="store_true",
+        help="Train the multi-token-prediction layers (with Megatron's --mtp-num-layers). Not implemented yet.",
+    )
     group.add_argument("--qwen-gdn-backend", default="fla", help="Kernel backend for Qwen gated delta-net layers.")
     group.add_argument(
         "--gradient-checkpointing",

@@ -465,6 +465,15 @@ def _checkpoint_config(args: argparse.Namespace) -> dict | None:
 
 
 def _validate_model_family(args: argparse.Namespace) -> None:
+    # Megatron's flag (a pass-through without megatron.training): it would build MTP layers no step trains and no
+    # push sends, and whose forward needs labels the RL losses do not give it.
+    mtp_layers = getattr(args, "mtp_num_layers", None)
+    if args.train_backend == "megatron" and mtp_layers:
+        _fail(
+            f"--mtp-num-layers {mtp_layers}: slime does not build, train or push multi-token-prediction layers yet; "
+            "drop it. The main model trains as usual, and SGLang's speculative decoding "
+            "(--sglang-speculative-algorithm NEXTN) drafts with the MTP weights of --hf-checkpoint as loaded."
+        )
     config = _checkpoint_config(args)
     if config is None:
         return
