@@ -564,6 +564,15 @@ class MappedSegments:
         self.mappings.clear()
 
 
+def host_group_store(
+    master_address: str, world_size: int, timeout: datetime.timedelta = datetime.timedelta(minutes=30)
+) -> dist.TCPStore:
+    """Rank 0's TCP store for `init_process_group_like_sglang`, listening on a port the kernel picks as it binds
+    (`store.port`): no other process can take the port between choosing it and listening on it, as one could with a
+    port probed free beforehand."""
+    return dist.TCPStore(master_address, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
 def init_process_group_like_sglang(
     backend: str,
     master_address: str,
@@ -572,6 +581,7 @@ def init_process_group_like_sglang(
     world_size: int,
     group_name: str,
     timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    store: dist.TCPStore | None = None,
 ) -> dist.ProcessGroup:
     """Join a weight-update process group the way SGLang's `init_custom_process_group` builds it.
 
@@ -592,12 +602,14 @@ def init_process_group_like_sglang(
         world_size: 1 (the trainer) + the number of engine ranks.
         group_name: Unique within each process until `dist.destroy_process_group(group)`.
         timeout: For joining and for each collective.
+        store: Rank 0's store, already listening on `master_port` (`host_group_store`); None: create it here.
 
     Returns:
         The group; pass it to `torch.distributed.broadcast(tensor, src=0, group=group)`, and to
         `torch.distributed.destroy_process_group` to leave it.
     """
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
     backend_options = None
     if backend == "gloo" and master_address in ("127.0.0.1", "localhost", "::1"):
         backend_options = dist.ProcessGroupGloo._Options()

@@ -18,9 +18,8 @@ import torch.distributed as dist
 from slime.backends.weight_sync.base import WeightTransport, call_engine
 from slime.utils.device import cuda_available
 from slime.utils.fp8 import fp8_wire_view
-from slime.utils.http_utils import find_free_port
 from slime.utils.weight_sync import Bucket
-from slime.utils.weight_transport import init_process_group_like_sglang
+from slime.utils.weight_transport import host_group_store, init_process_group_like_sglang
 
 GROUP_NAME = "slime_weight_update"
 
@@ -53,8 +52,9 @@ def connect_broadcast_group(engines: list, gpus_per_engine: int, master_address:
         backend: "nccl" or "gloo".
     """
     name = f"{GROUP_NAME}_{uuid.uuid4().hex[:12]}"
-    port = find_free_port(master_address)
     world_size = 1 + len(engines) * gpus_per_engine
+    store = host_group_store(master_address, world_size)  # listening before any engine is told its port
+    port = store.port
     with ThreadPoolExecutor(max_workers=len(engines)) as pool:
         joins = [
             pool.submit(
@@ -70,7 +70,7 @@ def connect_broadcast_group(engines: list, gpus_per_engine: int, master_address:
             )
             for index, engine in enumerate(engines)
         ]
-        group = init_process_group_like_sglang(backend, master_address, port, 0, world_size, name)
+        group = init_process_group_like_sglang(backend, master_address, port, 0, world_size, name, store=store)
         for join in joins:
             join.result()
     return BroadcastGroup(group, name)
