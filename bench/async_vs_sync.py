@@ -16,6 +16,11 @@ its eval and saves, so a step is generation and training only, and train on the 
 generation takes a larger share of the step. The table ends with the cap perfect overlap would give at
 the sync run's phase times: sync step / max(generate, train + push).
 
+`--tool-latency S` makes it agentic (`bench/slow_tool.py`, both runs): each sample answers, waits S seconds for a
+checker tool's verdict (time that uses no CPU), and answers again. A sync step then waits out the tool while the
+trainer idles; async trains meanwhile. With `--async-engine-threads` set so that trainer and engine threads add up
+to more than `--cores`, whichever of the two is busy while the other waits gets every core.
+
 Steps/s leave out each run's first step (warm-up: the first batch is generated with nothing to overlap).
 Reward is the mean `rollout/reward` of the last `--last-k` rollouts with its standard error over those
 rollouts (each the mean of the same number of samples). Staleness (async only) is `rollout/staleness_mean`
@@ -130,7 +135,9 @@ def summarize(mode: str, command: list[str], rows: list[dict], last_k: int, wall
     )
 
 
-def run_mode(mode: str, script: str, flags: list[str], save_dir: Path, num_rollout: int, last_k: int) -> ModeResult:
+def run_mode(
+    mode: str, script: str, flags: list[str], save_dir: Path, num_rollout: int, last_k: int, env: dict[str, str]
+) -> ModeResult:
     """Run `python <script> <flags>` with its output in `save_dir`.log and summarize its metrics.jsonl."""
     command = [sys.executable, script, *flags]
     log_path = save_dir.with_suffix(".log")
@@ -138,7 +145,7 @@ def run_mode(mode: str, script: str, flags: list[str], save_dir: Path, num_rollo
     print(f"{mode}: {script}, {num_rollout} rollouts (log: {log_path}; load average before {load:.2f})", flush=True)
     started = time.perf_counter()
     with log_path.open("w") as log:
-        code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     wall_s = time.perf_counter() - started
     if code != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
@@ -198,6 +205,20 @@ def main() -> None:
         default=None,
         help="async: trainer threads (default: half the cores; the engine gets the rest, at least 1)",
     )
+    parser.add_argument(
+        "--async-engine-threads",
+        type=int,
+        default=None,
+        help="async: engine threads (default: the cores the trainer leaves, at least 1); trainer and engine threads "
+        "may add up to more than --cores, so that one can use every core while the other waits",
+    )
+    parser.add_argument(
+        "--tool-latency",
+        type=float,
+        default=0.0,
+        help="seconds each sample's checker tool takes (bench/slow_tool.py: answer, wait, answer again); 0: plain "
+        "single-turn GRPO",
+    )
     parser.add_argument("--max-response-len", type=int, default=32, help="--rollout-max-response-len of both runs")
     parser.add_argument(
         "--prompt-suffix",
@@ -233,16 +254,23 @@ def main() -> None:
         )
 
     train_threads = args.async_train_threads or args.cores // 2
-    engine_threads = max(1, args.cores - train_threads)
+    engine_threads = args.async_engine_threads or max(1, args.cores - train_threads)
+    env = dict(os.environ)
+    workload: list[str] = []
+    if args.tool_latency > 0:
+        # Ray's workers import the generate function by this path, so it is absolute.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "bench"), env.get("PYTHONPATH")]))
+        env["SLIME_BENCH_TOOL_LATENCY"] = str(args.tool_latency)
+        workload = ["--custom-generate-function-path", "slow_tool.generate", "--max-turns", "2"]
     sync_flags = quickstart_flags(model, data, args.num_rollout, out / "sync", args.max_response_len) + [
-        "--train-num-threads", str(args.cores), "--cpu-engine-num-threads", str(args.cores),
+        "--train-num-threads", str(args.cores), "--cpu-engine-num-threads", str(args.cores), *workload,
     ]  # fmt: skip
     async_flags = quickstart_flags(model, data, args.num_rollout, out / "async", args.max_response_len) + [
         "--rollout-function-path", FULLY_ASYNC, "--max-weight-staleness", str(args.max_weight_staleness),
-        "--train-num-threads", str(train_threads), "--cpu-engine-num-threads", str(engine_threads),
+        "--train-num-threads", str(train_threads), "--cpu-engine-num-threads", str(engine_threads), *workload,
     ]  # fmt: skip
-    sync = run_mode("sync", "train.py", sync_flags, out / "sync", args.num_rollout, args.last_k)
-    fully_async = run_mode("async", "train_async.py", async_flags, out / "async", args.num_rollout, args.last_k)
+    sync = run_mode("sync", "train.py", sync_flags, out / "sync", args.num_rollout, args.last_k, env)
+    fully_async = run_mode("async", "train_async.py", async_flags, out / "async", args.num_rollout, args.last_k, env)
 
     print_table(sync, fully_async, args.last_k)
     figures = {
@@ -250,6 +278,8 @@ def main() -> None:
         "last_k": args.last_k,
         "cores": args.cores,
         "max_weight_staleness": args.max_weight_staleness,
+        "tool_latency": args.tool_latency,
+        "async_threads": {"trainer": train_threads, "engine": engine_threads},
         "speed_ratio": fully_async.steps_per_s / sync.steps_per_s,
         "sync": asdict(sync),
         "async": asdict(fully_async),
