@@ -70,7 +70,6 @@ from slime.algorithms.losses import value_loss
 from slime.algorithms.policy_losses import loss_kind
 from slime.backends.weight_sync import WeightUpdater, choose_transport
 from slime.utils.device import cuda_available, distributed_backend
-from slime.utils.http_utils import find_free_port
 from slime.utils.lora import lora_enabled
 from slime.utils.lora_export import save_adapter_export
 from slime.utils.misc import load_function, load_pretrained, release_free_host_memory
@@ -244,9 +243,14 @@ class TrainRayActor:
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size
         self.rank = rank
+        # Rank 0 of a group the driver builds hosts the rendezvous store now, on a port the kernel picks as it binds,
+        # and reports it (`get_master_addr_and_port`): a port probed free here and bound at `init_process_group`,
+        # after the other ranks start, could be taken in between.
+        self._store: dist.TCPStore | None = None
         if master_addr is None:
             master_addr = ray.util.get_node_ip_address() if cuda_available() else "127.0.0.1"
-            master_port = find_free_port(master_addr)
+            self._store = dist.TCPStore(master_addr, 0, world_size, is_master=True, wait_for_workers=False)
+            master_port = self._store.port
         self.master_addr, self.master_port = master_addr, master_port
         # critic: values from `compute_values`, kept for `train` on the same shard (`_remember_values`)
         self.cached_values: tuple[tuple, list[torch.Tensor]] | None = None
@@ -275,12 +279,15 @@ class TrainRayActor:
             torch.set_num_threads(args.train_num_threads)
         backend = args.distributed_backend or distributed_backend()
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend=backend,
-                world_size=self.world_size,
-                rank=self.rank,
-                timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            timeout = timedelta(minutes=args.distributed_timeout_minutes)
+            store = self._store or dist.TCPStore(
+                self.master_addr, self.master_port, self.world_size, is_master=self.rank == 0, timeout=timeout
             )
+            store.set_timeout(timeout)
+            dist.init_process_group(
+                backend=backend, store=store, world_size=self.world_size, rank=self.rank, timeout=timeout
+            )
+        self._store = None  # the group holds it from here on
 
     # ---- setup ---------------------------------------------------------------------------------
     def init(self, args, role: str, with_ref: bool = False) -> int:
