@@ -75,6 +75,7 @@ from slime.utils.lora_export import save_adapter_export
 from slime.utils.misc import load_function, load_pretrained, release_free_host_memory
 from slime.utils.perf import ModelShape, PhaseTimer, device_peak_tflops, forward_flops, peak_memory_gb
 from slime.utils.weight_sync import Bucket, bucket_named_tensors, probe_tokens
+from slime.utils.weight_transport import host_group_store
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +250,7 @@ class TrainRayActor:
         self._store: dist.TCPStore | None = None
         if master_addr is None:
             master_addr = ray.util.get_node_ip_address() if cuda_available() else "127.0.0.1"
-            self._store = dist.TCPStore(master_addr, 0, world_size, is_master=True, wait_for_workers=False)
+            self._store = host_group_store(master_addr, world_size)
             master_port = self._store.port
         self.master_addr, self.master_port = master_addr, master_port
         # critic: values from `compute_values`, kept for `train` on the same shard (`_remember_values`)

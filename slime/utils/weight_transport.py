@@ -567,9 +567,9 @@ class MappedSegments:
 def host_group_store(
     master_address: str, world_size: int, timeout: datetime.timedelta = datetime.timedelta(minutes=30)
 ) -> dist.TCPStore:
-    """Rank 0's TCP store for `init_process_group_like_sglang`, listening on a port the kernel picks as it binds
-    (`store.port`): no other process can take the port between choosing it and listening on it, as one could with a
-    port probed free beforehand."""
+    """A group's rank-0 TCP store (the training group's, `init_process_group_like_sglang`'s), listening on a port the
+    kernel picks as it binds (`store.port`): no other process can take the port between choosing it and listening on
+    it, as one could with a port probed free beforehand."""
     return dist.TCPStore(master_address, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 

@@ -102,13 +102,24 @@ def tokens_and_log_probs(answer: dict) -> tuple[list[int], torch.Tensor]:
     return [p[1] for p in pairs], torch.tensor([p[0] for p in pairs])
 
 
-def test_generate_with_images_matches_an_hf_forward(server, ref_model, image_processor, tokenizer):
+def check_generate_with_images(
+    url: str, tokenizer, model, processor, seed: int
+) -> tuple[list, list, torch.Tensor, int]:
+    """/generate of a two-image chat prompt, sampled at T=0.8, scores its tokens as one HF forward does and counts
+    the prompt with its expanded image tokens; returns (prompt, output, log-probs, expanded prompt length)."""
     prompt = chat_ids(tokenizer, 2)
-    answer = sample(server, prompt, [png_base64(i) for i in IMAGES], temperature=0.8, sampling_seed=5)
+    answer = sample(url, prompt, [png_base64(i) for i in IMAGES], temperature=0.8, sampling_seed=seed)
     output, log_probs = tokens_and_log_probs(answer)
-    expected, prompt_length = hf_log_probs(ref_model, image_processor, prompt, output, IMAGES, temperature=0.8)
+    expected, prompt_length = hf_log_probs(model, processor, prompt, output, IMAGES, temperature=0.8)
     assert answer["meta_info"]["prompt_tokens"] == prompt_length > len(prompt)
     torch.testing.assert_close(log_probs, expected, atol=1e-4, rtol=0)
+    return prompt, output, log_probs, prompt_length
+
+
+def test_generate_with_images_matches_an_hf_forward(server, ref_model, image_processor, tokenizer):
+    prompt, output, log_probs, prompt_length = check_generate_with_images(
+        server, tokenizer, ref_model, image_processor, seed=5
+    )
     # The images matter: the same tokens without pixels (text positions, plain pad embeddings) score otherwise.
     image_id = ref_model.config.image_token_id
     blind = torch.tensor([expanded(prompt, image_id, image_processor(images=IMAGES)["image_grid_thw"]) + output])
@@ -290,11 +301,5 @@ def test_qwen3_vl_is_served_as_hf_scores_it(tmp_path_factory, tokenizer):
     assert model.config.model_type == "qwen3_vl"
     processor = AutoImageProcessor.from_pretrained(model_dir)
     with engine_server(model_dir) as (_, url):
-        prompt = chat_ids(tokenizer, 2)
-        answer = sample(url, prompt, [png_base64(i) for i in IMAGES], temperature=0.8, sampling_seed=3)
-        output, log_probs = tokens_and_log_probs(answer)
-        expected, prompt_length = hf_log_probs(model, processor, prompt, output, IMAGES, temperature=0.8)
-        assert answer["meta_info"]["prompt_tokens"] == prompt_length > len(prompt)
-        torch.testing.assert_close(log_probs, expected, atol=1e-4, rtol=0)
-
+        check_generate_with_images(url, tokenizer, model, processor, seed=3)
         check_chat_with_image_url(url, tokenizer, model, processor, IMAGES[1], max_tokens=5)

@@ -186,12 +186,18 @@ def load_weight_folder(engines: list, disk: DiskTarget, folder: Path, weight_ver
     """
     disk.pushed.append(folder)
     call_engines(engines, "update_weights_from_disk", model_path=str(folder), weight_version=weight_version)
+    drop_older_pushes(disk, [folder])
+
+
+def drop_older_pushes(disk: DiskTarget, current: list[Path]) -> None:
+    """Once every engine holds the `current` push's folders, delete the others `disk.pushed` lists (slime-marked ones
+    only), unless `--update-weight-disk-keep-files`."""
     if disk.keep_files:
         return
-    for old in disk.pushed[:-1]:
-        if atomic_dir.is_slime_folder(old):  # never delete what slime did not write
+    for old in disk.pushed:
+        if old not in current and atomic_dir.is_slime_folder(old):  # never delete what slime did not write
             shutil.rmtree(old, ignore_errors=True)
-    disk.pushed = [folder]
+    disk.pushed = [folder for folder in disk.pushed if folder in current]
 
 
 class DeltaBase:

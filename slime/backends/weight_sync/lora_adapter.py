@@ -30,7 +30,13 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from slime.backends.weight_sync.base import WeightTransport, call_engine
-from slime.backends.weight_sync.disk import DISK_FLAG, FOLDER_KIND, DiskTarget, prepare_disk_target
+from slime.backends.weight_sync.disk import (
+    DISK_FLAG,
+    FOLDER_KIND,
+    DiskTarget,
+    drop_older_pushes,
+    prepare_disk_target,
+)
 from slime.utils import atomic_dir
 from slime.utils.engine_args import CPU_ENGINE_CONTROL_MAX_BODY_BYTES
 from slime.utils.lora import POLICY_ADAPTER, split_by_adapter
@@ -110,13 +116,17 @@ class LoraAdapterTransport(WeightTransport):
                 )
             call_engine(engine, "update_weight_version", new_version=version)
 
+        self._on_every_engine(replace)
+
+    def _on_every_engine(self, replace) -> None:
+        """`replace(engine)` on every engine at once; raises the first error."""
         with ThreadPoolExecutor(max_workers=max(len(self.engines), 1)) as pool:
             for future in [pool.submit(replace, engine) for engine in self.engines]:
                 future.result()
 
     def _push_folders(self, adapters: dict[str, list], version: str) -> None:
         """Write each adapter as a PEFT folder (staged, then renamed into place), have every engine load it by path,
-        then delete the folders of earlier pushes (slime-marked ones only, unless `--update-weight-disk-keep-files`)."""
+        then delete the folders of earlier pushes (`drop_older_pushes`)."""
         target = self.target
         folders = {}
         for adapter, named in adapters.items():
@@ -140,16 +150,8 @@ class LoraAdapterTransport(WeightTransport):
                 call_engine(engine, "load_lora_adapter", lora_name=adapter, lora_path=str(folder))
             call_engine(engine, "update_weight_version", new_version=version)
 
-        with ThreadPoolExecutor(max_workers=max(len(self.engines), 1)) as pool:
-            for future in [pool.submit(replace, engine) for engine in self.engines]:
-                future.result()
-        if target.keep_files:
-            return
-        current = set(folders.values())
-        for old in [folder for folder in target.pushed if folder not in current]:
-            if atomic_dir.is_slime_folder(old):  # never delete what slime did not write
-                shutil.rmtree(old, ignore_errors=True)
-        target.pushed = [folder for folder in target.pushed if folder in current]
+        self._on_every_engine(replace)
+        drop_older_pushes(target, list(folders.values()))
 
     def _payload(self, tensors: list) -> str:
         """`serialized_tensors`: a base64 pickle of the {name: tensor} dict SGLang's endpoint reads."""
