@@ -63,7 +63,7 @@ async def get_proxy(args) -> TrajectoryProxy:
         _proxy = TrajectoryProxy(
             load_tokenizer(args.hf_checkpoint, args.trust_remote_code),
             api_key=engine_api_key(args),
-            request_timeout=getattr(args, "sglang_router_request_timeout_secs", None),
+            request_timeout=args.sglang_router_request_timeout_secs,
             lora_path=rollout_adapter(args),
             vision=load_vision(args.hf_checkpoint, args.trust_remote_code),  # image parts, for a VLM
         )

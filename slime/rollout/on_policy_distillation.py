@@ -28,7 +28,7 @@ async def reward_func(args: argparse.Namespace, sample: Sample, **kwargs) -> dic
         ValueError: `--rm-url` is not an http(s) URL.
         TeacherError: The teacher is unreachable or refused the request.
     """
-    url = teacher_generate_url(getattr(args, "rm_url", None), flag="--rm-url")
+    url = teacher_generate_url(args.rm_url, flag="--rm-url")
     return await request_teacher(args, sample, url, flag="--rm-url")
 
 
@@ -44,7 +44,7 @@ def post_process_rewards(args: argparse.Namespace, samples: list[Sample], **kwar
     Raises:
         TeacherError: An answer lacks the log-probs of the sample's response tokens.
     """
-    url = getattr(args, "rm_url", None) or "--rm-url"
+    url = args.rm_url or "--rm-url"
     for sample in samples:
         if sample.unfinished:
             sample.teacher_log_probs = [0.0] * sample.response_length

@@ -90,9 +90,10 @@ async def request_teacher(args: argparse.Namespace, sample: Sample, url: str, fl
     Raises:
         TeacherError: The teacher is unreachable, or refused the request (the message has its answer).
     """
-    timeout = getattr(args, "sglang_router_request_timeout_secs", None)
     try:
-        return await async_post_json(url, teacher_request(args, sample), timeout=timeout)
+        return await async_post_json(
+            url, teacher_request(args, sample), timeout=args.sglang_router_request_timeout_secs
+        )
     except HTTPRequestError as error:
         raise TeacherError(
             f"the OPD teacher at {url} refused sample {sample.index} ({len(sample.tokens)} tokens) with HTTP "
@@ -119,7 +120,7 @@ async def fetch_teacher_log_probs(args: argparse.Namespace, sample: Sample) -> l
 
 def _no_reward_configured(args: argparse.Namespace, sample: Sample) -> bool:
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    return not (getattr(args, "custom_rm_path", None) or getattr(args, "rm_type", None) or metadata.get("rm_type"))
+    return not (args.custom_rm_path or args.rm_type or metadata.get("rm_type"))
 
 
 async def score_with_teacher(args: argparse.Namespace, samples: list[Sample], evaluation: bool = False) -> None:
@@ -129,13 +130,13 @@ async def score_with_teacher(args: argparse.Namespace, samples: list[Sample], ev
     An aborted sample goes back to the data source and is scored once it finishes; eval samples are not sent to
     the teacher (nothing trains on them).
     """
-    if not getattr(args, "use_opd", False):  # tests and user code may build args by hand
+    if not args.use_opd:
         return
     finished = [s for s in samples if s.status != Status.ABORTED]
     for s in finished:
         if s.reward is None and s.status != Status.FAILED and _no_reward_configured(args, s):
             s.reward = 0.0  # a failed sample keeps no reward: it stays unfinished, not trained on
-    if evaluation or not getattr(args, "opd_teacher_url", None):
+    if evaluation or not args.opd_teacher_url:
         return
     scored = await asyncio.gather(*(fetch_teacher_log_probs(args, s) for s in finished))
     for s, log_probs in zip(finished, scored, strict=True):

@@ -233,7 +233,7 @@ def prepare_generate(
             sample.tokens, sample.multimodal_train_inputs = state.vision.prepare(sample.tokens, images)
     else:
         params["max_new_tokens"] -= sample.response_length
-        if getattr(args, "mask_offpolicy_in_partial_rollout", False) and sample.loss_mask:
+        if args.mask_offpolicy_in_partial_rollout and sample.loss_mask:
             sample.loss_mask = [0] * len(sample.loss_mask)
     limit = state.context_limits[evaluation]
     room = limit - len(sample.tokens)

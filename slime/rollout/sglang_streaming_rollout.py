@@ -69,7 +69,7 @@ async def stream_into_sample(
     base = (list(sample.tokens), sample.response, sample.response_length, sample.loss_mask, sample.rollout_log_probs)
     meta: dict[str, Any] = {}
     text = ""
-    timeout = aiohttp.ClientTimeout(total=getattr(args, "sglang_router_request_timeout_secs", None))
+    timeout = aiohttp.ClientTimeout(total=args.sglang_router_request_timeout_secs)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         try:
             response = await session.post(url, json=payload, headers=generate_headers(args))

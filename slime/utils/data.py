@@ -427,11 +427,11 @@ def load_dataset(path: str, args: Any, tokenizer: Any = None, flag: str = "--pro
         apply_chat_template_kwargs=args.apply_chat_template_kwargs,
         max_prompt_len=args.rollout_max_prompt_len,
         seed=args.rollout_seed,
-        multimodal_keys=getattr(args, "multimodal_keys", None),
+        multimodal_keys=args.multimodal_keys,
     )
     settings.update(overrides)
     if settings["multimodal_keys"] and settings["max_prompt_len"] is not None:
-        settings["vision"] = load_vision_prompter(args.hf_checkpoint, getattr(args, "trust_remote_code", False))
+        settings["vision"] = load_vision_prompter(args.hf_checkpoint, args.trust_remote_code)
     locations, records = [], []
     for where, record in iter_records(path, flag):
         locations.append(where)

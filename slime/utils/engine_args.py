@@ -28,8 +28,8 @@ def engine_context_length(args: argparse.Namespace) -> int:
     `--sglang-context-length` on the SGLang backend, else the model config's `max_position_embeddings`
     (what SGLang and the CPU engine read), else 4096 (the CPU engine's fallback).
     """
-    override = (getattr(args, "sglang_server_args", None) or {}).get("context_length")
-    if override and getattr(args, "rollout_backend", "sglang") != "cpu":  # the CPU engine ignores --sglang-*
+    override = args.sglang_server_args.get("context_length")
+    if override and args.rollout_backend != "cpu":  # the CPU engine ignores --sglang-*
         return int(override)
     return _config_context_length(args.hf_checkpoint, args.trust_remote_code)
 
@@ -39,9 +39,7 @@ def context_limit(args: argparse.Namespace, evaluation: bool = False) -> int:
     in eval), never more than the engine holds."""
     # SGLang refuses a request whose prompt + max_new_tokens reaches its context length, hence the - 1.
     limit = engine_context_length(args) - 1
-    requested = (getattr(args, "eval_max_context_len", None) if evaluation else None) or getattr(
-        args, "rollout_max_context_len", None
-    )
+    requested = (args.eval_max_context_len if evaluation else None) or args.rollout_max_context_len
     return limit if requested is None else min(requested, limit)
 
 
@@ -51,7 +49,7 @@ def engine_failover_window(args: argparse.Namespace) -> float:
     0 without `--use-fault-tolerance`; otherwise long enough for the health monitor's next round
     (interval + probe timeout) plus a margin.
     """
-    if not getattr(args, "use_fault_tolerance", False):
+    if not args.use_fault_tolerance:
         return 0.0
     return (
         args.rollout_health_check_first_wait
@@ -70,5 +68,6 @@ CPU_ENGINE_CONTROL_MAX_BODY_BYTES = 64 * 2**20
 
 def engine_api_key(args: argparse.Namespace) -> str | None:
     """The key engines require (`--sglang-api-key`), or None when they take requests without one."""
-    options = getattr(args, "sglang_server_args", None) or {}
+    options = args.sglang_server_args
+    # --sglang-api-key is an attribute only when SGLang registered it or it was given
     return options.get("api_key") or options.get("api-key") or getattr(args, "sglang_api_key", None) or None

@@ -74,11 +74,11 @@ def rollout_fp8_block(args) -> Block | None:
         ValueError: `--sglang-quantization fp8` for SGLang with a checkpoint that is not block FP8: SGLang would
             quantize it per tensor itself and take no block-FP8 pushes.
     """
-    block = folder_fp8_block(args.hf_checkpoint) if getattr(args, "hf_checkpoint", None) else None
-    quantization = (getattr(args, "sglang_server_args", None) or {}).get("quantization")
+    block = folder_fp8_block(args.hf_checkpoint) if args.hf_checkpoint else None
+    quantization = args.sglang_server_args.get("quantization")
     if block is not None or quantization != "fp8":
         return block
-    if getattr(args, "rollout_backend", "sglang") == "cpu":
+    if args.rollout_backend == "cpu":
         return DEFAULT_BLOCK
     raise ValueError(
         f"--sglang-quantization fp8 with --hf-checkpoint {args.hf_checkpoint}, which is not block FP8: SGLang would "

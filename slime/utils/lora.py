@@ -32,13 +32,13 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def lora_enabled(args: argparse.Namespace) -> bool:
     """Whether the actor trains a LoRA adapter (`--lora-rank` > 0)."""
-    return getattr(args, "lora_rank", 0) > 0
+    return args.lora_rank > 0
 
 
 def engines_keep_base(args: argparse.Namespace) -> bool:
     """`--lora-train-only`: the adapter trains while the engines keep generating with the base model they loaded, so
     no weight update is ever pushed and the engines serve no adapter."""
-    return lora_enabled(args) and getattr(args, "lora_train_only", False)
+    return lora_enabled(args) and args.lora_train_only
 
 
 def engines_serve_adapter(args: argparse.Namespace) -> bool:
@@ -48,7 +48,7 @@ def engines_serve_adapter(args: argparse.Namespace) -> bool:
 
 def lora_adapter_count(args: argparse.Namespace) -> int:
     """How many adapters the run trains (`--multi-lora-n-adapters`; 1 unless it is given)."""
-    return getattr(args, "multi_lora_n_adapters", 1) if lora_enabled(args) else 1
+    return args.multi_lora_n_adapters if lora_enabled(args) else 1
 
 
 def policy_adapters(args: argparse.Namespace) -> list[str]:

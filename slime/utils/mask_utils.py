@@ -12,9 +12,10 @@ be located, and each turn is masked the way it appears inside the whole conversa
 assistant turn an (empty) `<think>` block and shows the reasoning of earlier turns only until a later user query,
 so an earlier turn keeps the end of what the model wrote, from its answer on; with `enable_thinking=False` the
 generation prompt's empty `<think></think>` is missing from earlier turns, which keep all the model wrote after
-a shorter header. The messages between two assistant turns must render the same in both places. A template
-that rewrites a turn's middle or end, or the messages around it, is refused with an error rather than masked
-wrongly.
+a shorter header. Qwen3.5 thinks by default, so its generation prompt opens the `<think>` block; an earlier turn,
+shown without the block, keeps the rest of what the model wrote. The messages between two assistant turns must
+render the same in both places. A template that rewrites a turn's middle or end, or the messages around it, is
+refused with an error rather than masked wrongly.
 
     generator = MultiTurnLossMaskGenerator(tokenizer)
     token_ids, loss_mask = generator.get_loss_mask(messages)
@@ -28,7 +29,7 @@ from typing import Any
 
 # `--loss-mask-type` values upstream slime accepts. Every one is handled the same way here, through the
 # tokenizer's chat template, so the value only has to be one of them.
-LOSS_MASK_TYPES = ("qwen", "qwen3", "distill_qwen", "llama")
+LOSS_MASK_TYPES = ("qwen", "qwen3", "qwen3_5", "distill_qwen", "llama")
 
 
 @dataclass
@@ -72,6 +73,22 @@ def _longest_suffix_prefix(text: str, following: str) -> int:
     return 0
 
 
+def _dropped_reasoning_block(full: str, header: int, generation_prompt: str, written: str):
+    """(start, end) in `full` of a turn that kept a head of the generation prompt and a tail of what the model
+    wrote, when what it dropped between them is exactly one `<think>...</think>` block; None otherwise. Of the
+    places the prompt may be cut, the latest wins: what the prompt wrote is context, not the model's."""
+    best = None
+    for cut in range(len(generation_prompt) + 1):
+        if not full.startswith(generation_prompt[:cut], header):
+            break
+        start = header + cut
+        kept = _longest_suffix_prefix(written, full[start:])
+        dropped = (generation_prompt[cut:] + written[: len(written) - kept]).strip()
+        if kept and dropped.startswith("<think>") and dropped.endswith("</think>") and dropped.count("<think>") == 1:
+            best = (start, start + kept)
+    return best
+
+
 def _locate_turn(full: str, context: str, prompt: str, alone: str, consumed: int, i: int) -> tuple[int, int]:
     """Start and end, in `full`, of the text assistant turn `i` contributes to the loss (see module doc)."""
     if not (prompt.startswith(context) and alone.startswith(prompt)):
@@ -97,6 +114,11 @@ def _locate_turn(full: str, context: str, prompt: str, alone: str, consumed: int
         start = full.find(written, header) if written else -1
         if start >= 0 and generation_prompt.startswith(full[header:start]):
             return start, start + len(written)
+        # Qwen3.5 thinks by default: its generation prompt opens the <think> block, and earlier turns drop the
+        # whole block (the prompt's end and the reasoning). The turn keeps the rest of what the model wrote.
+        dropped_block = _dropped_reasoning_block(full, header, generation_prompt, written)
+        if dropped_block is not None:
+            return dropped_block
     raise ValueError(
         f"assistant turn at message {i}: the chat template renders this turn, or the messages before it, "
         "differently once later messages follow, beyond dropping text at the turn's start (as Qwen3 drops a "

@@ -76,7 +76,7 @@ async def generate_into_sample(
         The text the engine generated.
     """
     payload = generate_payload(args, sample, sampling_params)
-    replay = getattr(args, "use_rollout_routing_replay", False)
+    replay = args.use_rollout_routing_replay
     if replay:
         payload["return_routed_experts"] = True
         output = await _post_to_an_engine(args, sample, payload, lambda: engine_urls(args, context))
@@ -84,7 +84,7 @@ async def generate_into_sample(
         output = await async_post_json(
             f"{router_url(args, context)}/generate",
             payload,
-            timeout=getattr(args, "sglang_router_request_timeout_secs", None),
+            timeout=args.sglang_router_request_timeout_secs,
             retry_failures_for=engine_failover_window(args),
             headers=generate_headers(args),
         )
@@ -98,7 +98,7 @@ async def generate_into_sample(
     sample.status = Status.from_finish_reason(meta["finish_reason"]["type"])
     if replay:
         sample.rollout_routed_experts = _routed_experts(args, meta, len(sample.tokens))
-    checkpoint, trust = getattr(args, "hf_checkpoint", None), getattr(args, "trust_remote_code", False)
+    checkpoint, trust = args.hf_checkpoint, args.trust_remote_code
     image_token = _image_token_id(checkpoint, trust) if checkpoint else None
     if image_token is not None and image_token in new_tokens:
         tokenizer = load_tokenizer(checkpoint, trust)
@@ -157,7 +157,7 @@ async def _post_to_an_engine(
             return await async_post_json(
                 f"{url.rstrip('/')}/generate",
                 payload,
-                timeout=getattr(args, "sglang_router_request_timeout_secs", None),
+                timeout=args.sglang_router_request_timeout_secs,
                 headers=generate_headers(args),
             )
         except (ConnectionError, HTTPRequestError) as error:

@@ -2,10 +2,10 @@
 
 import asyncio
 import sys
-from argparse import Namespace
 
 import pytest
 from support.chat_templates import use_llama3_template
+from support.flags import slime_flags
 from support.runs import REPO, run_training, saved_samples, small_run_flags, write_addition_prompts
 from transformers import AutoTokenizer
 
@@ -66,17 +66,17 @@ def test_reviewer_turn_refuses_templates_it_cannot_follow(tiny_model_dir):
 @pytest.mark.reliability("multi-agent example with --max-turns 1", "ValueError: it takes two model turns")
 def test_generate_needs_two_turns():
     with pytest.raises(ValueError, match="two model turns \\(solver, reviewer\\); --max-turns is 1"):
-        asyncio.run(agent_system.generate(Namespace(max_turns=1), Sample(index=0, prompt="1 + 1"), {}))
+        asyncio.run(agent_system.generate(slime_flags(max_turns=1), Sample(index=0, prompt="1 + 1"), {}))
 
 
 def test_reward_grades_the_final_answer_and_records_the_solver_one():
-    args = Namespace(rm_type=None, custom_rm_path="agent_system.reward_func")
+    args = slime_flags(rm_type=None, custom_rm_path="agent_system.reward_func")
     fixed = Sample(index=0, label="7", metadata={"solver_answer": "3 + 4 = 8", "final_answer": "no, 3 + 4 = 7"})
     assert asyncio.run(agent_system.reward_func(args, fixed)) == 1.0 and fixed.metadata["solver_reward"] == 0.0
     broken = Sample(index=1, label="7", metadata={"solver_answer": "7", "final_answer": "7 + 1 = 8"})
     assert asyncio.run(agent_system.reward_func(args, broken)) == 0.0 and broken.metadata["solver_reward"] == 1.0
     # --rm-type picks the grader: f1 scores word overlap, so a partly right answer gets a partial score.
-    f1_args = Namespace(rm_type="f1", custom_rm_path="agent_system.reward_func")
+    f1_args = slime_flags(rm_type="f1", custom_rm_path="agent_system.reward_func")
     partial = Sample(index=2, label="paris france", metadata={"solver_answer": "", "final_answer": "paris"})
     assert asyncio.run(agent_system.reward_func(f1_args, partial)) == pytest.approx(2 * 1 * 0.5 / 1.5)
 
@@ -85,7 +85,7 @@ def test_reward_grades_the_final_answer_and_records_the_solver_one():
     "multi-agent reward_func on a sample its generate did not make", "ValueError naming the generate flag"
 )
 def test_reward_refuses_samples_from_another_generate():
-    args = Namespace(rm_type=None, custom_rm_path="agent_system.reward_func")
+    args = slime_flags(rm_type=None, custom_rm_path="agent_system.reward_func")
     with pytest.raises(ValueError, match="--custom-generate-function-path agent_system.generate"):
         asyncio.run(agent_system.reward_func(args, Sample(index=4, label="7", response="7")))
 

@@ -1,7 +1,6 @@
 """examples/openai_agent: the calculator and tool messages, the agent's three branches (no number, tool call,
 answer) against a real engine through the trajectory proxy, and a train.py run with `--agent-function-path`."""
 
-import argparse
 import asyncio
 import re
 import shutil
@@ -11,6 +10,7 @@ import pytest
 import torch
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
 from support.engines import cpu_engine_process
+from support.flags import slime_flags
 from support.runs import REPO, run_training, saved_samples, small_run_flags, write_addition_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -110,7 +110,7 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_agent_reminds_calls_the_tool_and_answers_through_the_proxy(tool_model_dir):
-    args = argparse.Namespace(
+    args = slime_flags(
         agent_function_path="agent.run", max_turns=8, hf_checkpoint=str(tool_model_dir), trust_remote_code=False,
         sglang_api_key=None, sglang_router_request_timeout_secs=60, rollout_max_context_len=None,
     )  # fmt: skip

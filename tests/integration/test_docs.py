@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 from support.engines import engine_server, router_args, router_for
+from support.flags import slime_flags
 from transformers import AutoTokenizer
 
 from slime.utils.arguments import build_parser, parse_args
@@ -222,7 +223,7 @@ def answered(index: int, group: int, response: str, label: str, status=Status.CO
 def test_reward_snippets_through_the_reward_hub(snippets):
     from slime.rollout.rm_hub import async_rm, batched_async_rm
 
-    args = argparse.Namespace(custom_rm_path="my_reward.exact_number", group_rm=False)
+    args = slime_flags(custom_rm_path="my_reward.exact_number", group_rm=False)
     cases = [("the sum is 12", "12", 1.0), ("12 or 13", "12", 0.0), ("no idea", "4", 0.0), ("-3", "-3", 1.0)]
     for response, label, expected in cases:
         assert asyncio.run(async_rm(args, answered(0, 0, response, label))) == expected
@@ -232,7 +233,7 @@ def test_reward_snippets_through_the_reward_hub(snippets):
         answered(1, 0, "12", "12", length=1),
         answered(2, 0, "11", "12", length=1),
     ]
-    args = argparse.Namespace(custom_rm_path="my_reward.shortest_correct_bonus", group_rm=True)
+    args = slime_flags(custom_rm_path="my_reward.shortest_correct_bonus", group_rm=True)
     assert asyncio.run(batched_async_rm(args, group)) == [1.0, 1.5, 0.0]
 
 

@@ -2,7 +2,6 @@
 solutions), and the agent end to end through `--agent-function-path` against a real engine serving a tiny model
 taught to answer one problem with correct code."""
 
-import argparse
 import asyncio
 import importlib.util
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from support.engines import engine_server
+from support.flags import slime_flags
 from support.tiny_model import teach_tiny_model
 from transformers import AutoTokenizer
 
@@ -98,7 +98,7 @@ def engine(tiny_model_dir, tmp_path_factory):
 
 def test_agent_solves_the_problem_through_the_anthropic_route(engine):
     url, model, problem = engine
-    args = argparse.Namespace(
+    args = slime_flags(
         agent_function_path=f"{AGENT_MODULE}.run",
         max_turns=3,
         hf_checkpoint=str(model),

@@ -70,6 +70,56 @@ QWEN3_TEMPLATE = """
 {%- endif %}
 """
 
+# Behaves like Qwen3.5's template as upstream slime's `qwen3_5` mask type describes it: thinking is on by default, so
+# the generation prompt opens the <think> block ("<think>\n"; with `enable_thinking=False` an empty block); turns
+# after the last user query show their reasoning (an empty block when they have none), earlier turns only their
+# answer; tool calls come from `tool_calls` as <function=...> blocks with one <parameter=...> per argument.
+QWEN35_TEMPLATE = """
+{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}
+{%- set ns = namespace(last_query_index=messages|length - 1, seen_query=false) %}
+{%- for message in messages[::-1] %}
+    {%- if not ns.seen_query and message.role == "user" %}
+        {%- set ns.seen_query = true %}
+        {%- set ns.last_query_index = (messages|length - 1) - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content or '' %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
+            {%- set content = content.split('</think>')[-1] %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if loop.index0 > ns.last_query_index %}
+            {{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' }}
+        {%- endif %}
+        {{- content.strip('\n') }}
+        {%- for call in message.tool_calls or [] %}
+            {%- if content.strip('\n') or not loop.first %}{{- '\n\n' }}{%- endif %}
+            {{- '<tool_call>\n<function=' + call.function.name + '>\n' }}
+            {%- for name, value in call.function.arguments.items() %}
+                {{- '<parameter=' + name + '>\n' + value | string + '\n</parameter>\n' }}
+            {%- endfor %}
+            {{- '</function>\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if messages[loop.index0 - 1].role != "tool" %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}
+    {%- else %}{{- '<think>\n' }}{%- endif %}
+{%- endif %}
+"""
+
 ASSISTANT = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
 
 
@@ -78,7 +128,10 @@ def tokenizers():
     qwen3 = build_tokenizer()
     qwen3.add_tokens(["<think>", "</think>", "<tool_response>", "</tool_response>"])  # plain added tokens, as in Qwen3
     qwen3.chat_template = QWEN3_TEMPLATE
-    return {**template_tokenizers(), "qwen3": qwen3}
+    qwen35 = build_tokenizer()
+    qwen35.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    qwen35.chat_template = QWEN35_TEMPLATE
+    return {**template_tokenizers(), "qwen3": qwen3, "qwen3.5": qwen35}
 
 
 def expected(tokenizer, pieces: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
@@ -91,12 +144,12 @@ def expected(tokenizer, pieces: list[tuple[str, int]]) -> tuple[list[int], list[
     return ids, mask
 
 
-def check_mask(tokenizer, messages, pieces, **template_kwargs):
+def check_mask(tokenizer, messages, pieces, mask_type="qwen3", **template_kwargs):
     # The pieces, written from the template's layout, are the template's rendering of the whole conversation.
     assert "".join(text for text, _ in pieces) == tokenizer.apply_chat_template(
         messages, tokenize=False, **template_kwargs
     )
-    generator = MultiTurnLossMaskGenerator(tokenizer, tokenizer_type="qwen3")
+    generator = MultiTurnLossMaskGenerator(tokenizer, tokenizer_type=mask_type)
     assert generator.get_loss_mask(messages, chat_template_kwargs=template_kwargs) == expected(tokenizer, pieces)
 
 
@@ -205,6 +258,77 @@ def test_qwen3_without_thinking_masks_earlier_turns_after_their_shorter_header(t
             (QUERY2 + empty_think, 0),
             ("3<|im_end|>\n", 1),
         ],
+        enable_thinking=False,
+    )
+
+
+# Reasoning in the first turn, a tool call with its arguments, a tool result, a second query, a last turn with
+# reasoning_content: the layout upstream's qwen3_5 mask type was written for.
+QWEN35_CONVERSATION = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "What is 12 + 34?"},
+    {
+        "role": "assistant",
+        "content": "<think>\nadd them\n</think>\n\nLet me check.",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 34}}}],
+    },
+    {"role": "tool", "content": "46"},
+    {"role": "assistant", "content": "The answer is 46."},
+    {"role": "user", "content": "and 1 + 2?"},
+    {"role": "assistant", "content": "3", "reasoning_content": "small"},
+]
+ADD_CALL = "<tool_call>\n<function=add>\n<parameter=a>\n12\n</parameter>\n<parameter=b>\n34\n</parameter>\n</function>\n</tool_call>"
+TOOL_46 = "<|im_start|>user\n<tool_response>\n46\n</tool_response><|im_end|>\n"
+
+
+def test_qwen3_5_masks_what_the_model_wrote_after_its_opened_think_block(tokenizers):
+    qwen35 = tokenizers["qwen3.5"]
+    assert qwen35.apply_chat_template(QWEN35_CONVERSATION[:2], tokenize=False, add_generation_prompt=True).endswith(
+        "<|im_start|>assistant\n<think>\n"
+    )
+    # Whole conversation: the turns before the second query show only their answer (the <think> block the prompt
+    # opened is gone with their reasoning); the last turn was written after "<think>\n".
+    check_mask(
+        qwen35,
+        QWEN35_CONVERSATION,
+        [
+            (SYSTEM_USER, 0),
+            (f"Let me check.\n\n{ADD_CALL}<|im_end|>\n", 1),
+            (TOOL_46 + "<|im_start|>assistant\n", 0),
+            ("The answer is 46.<|im_end|>\n", 1),
+            (QUERY2 + "<think>\n", 0),
+            ("small\n</think>\n\n3<|im_end|>\n", 1),
+        ],
+        mask_type="qwen3_5",
+    )
+    # Up to the tool loop's answer: both turns follow the last query, so each keeps its block and what the model
+    # wrote after "<think>\n" (an empty block for the answer: the model closed it at once).
+    check_mask(
+        qwen35,
+        QWEN35_CONVERSATION[:5],
+        [
+            (SYSTEM_USER + "<think>\n", 0),
+            (f"add them\n</think>\n\nLet me check.\n\n{ADD_CALL}<|im_end|>\n", 1),
+            (TOOL_46 + "<|im_start|>assistant\n<think>\n", 0),
+            ("\n</think>\n\nThe answer is 46.<|im_end|>\n", 1),
+        ],
+        mask_type="qwen3_5",
+    )
+    # Thinking off: the prompt closes an empty block, which earlier turns drop.
+    messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in QWEN35_CONVERSATION]
+    messages[2]["content"] = "Let me check."
+    check_mask(
+        qwen35,
+        messages,
+        [
+            (SYSTEM_USER, 0),
+            (f"Let me check.\n\n{ADD_CALL}<|im_end|>\n", 1),
+            (TOOL_46 + "<|im_start|>assistant\n", 0),
+            ("The answer is 46.<|im_end|>\n", 1),
+            (QUERY2 + "<think>\n\n</think>\n\n", 0),
+            ("3<|im_end|>\n", 1),
+        ],
+        mask_type="qwen3_5",
         enable_thinking=False,
     )
 

@@ -7,6 +7,7 @@ from argparse import Namespace
 import pytest
 import torch
 from support.engines import engine_server
+from support.flags import slime_flags
 from support.opd import chat_prompt_ids, teacher_forward_log_probs
 from support.runs import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -129,7 +130,7 @@ def test_teacher_log_probs_equal_a_forward_pass_of_the_teacher(teacher_dir, teac
         chat_sample(tokenizer, 2, "think step by step", "0 1 2"),
     ]
     aborted = Sample(index=3, tokens=samples[0].tokens[:-2], response_length=3, status=Status.ABORTED)
-    args = Namespace(use_opd=True, opd_teacher_url=teacher_url, rollout_temperature=temperature, rm_type="f1")
+    args = slime_flags(use_opd=True, opd_teacher_url=teacher_url, rollout_temperature=temperature, rm_type="f1")
     run(score_with_teacher(args, [*samples, aborted]))
     worst = 0.0
     for s in samples:
@@ -143,7 +144,7 @@ def test_teacher_log_probs_equal_a_forward_pass_of_the_teacher(teacher_dir, teac
 
 
 def test_pure_distillation_scores_reward_zero_and_eval_skips_the_teacher(teacher_url):
-    args = Namespace(use_opd=True, opd_teacher_url=teacher_url, rollout_temperature=1.0, rm_type=None)
+    args = slime_flags(use_opd=True, opd_teacher_url=teacher_url, rollout_temperature=1.0, rm_type=None)
     done = Sample(index=0, tokens=[5, 6, 7, 8], response_length=2, status=Status.TRUNCATED)
     failed = Sample(index=1, tokens=[5, 6, 7], response_length=1, status=Status.FAILED)
     run(score_with_teacher(args, [done, failed], evaluation=True))
@@ -160,9 +161,9 @@ def test_teacher_failures_name_the_url_and_the_cause(teacher_url):
     sample = Sample(index=4, tokens=[5, 6, 7], response_length=1, status=Status.COMPLETED)
     nobody = f"http://127.0.0.1:{find_free_port()}"
     with pytest.raises(TeacherError, match=f"cannot reach the OPD teacher at {nobody}/generate"):
-        run(fetch_teacher_log_probs(Namespace(opd_teacher_url=nobody, rollout_temperature=1.0), sample))
+        run(fetch_teacher_log_probs(slime_flags(opd_teacher_url=nobody, rollout_temperature=1.0), sample))
     beyond_vocab = Sample(index=5, tokens=[5, 6, 100_000], response_length=1, status=Status.COMPLETED)
-    args = Namespace(opd_teacher_url=teacher_url, rollout_temperature=1.0)
+    args = slime_flags(opd_teacher_url=teacher_url, rollout_temperature=1.0)
     with pytest.raises(TeacherError, match="refused sample 5 .* HTTP 400"):
         run(fetch_teacher_log_probs(args, beyond_vocab))
 

@@ -4,9 +4,9 @@ import asyncio
 import os
 import signal
 import time
-from argparse import Namespace
 
 import pytest
+from support.flags import slime_flags
 
 from slime.rollout.rm_hub import async_rm, pop_reward_metrics, start_reward_workers
 from slime.rollout.rm_hub.reward_workers import RewardWorkerError, get_reward_pool, shutdown_reward_workers
@@ -46,7 +46,7 @@ async def _ticking(ticks: list[float], stop: asyncio.Event) -> None:
     "the grading worker is killed after --rm-timeout-secs, the answer scores 0, reward/timeouts counts it",
 )
 def test_stuck_answers_time_out_while_the_event_loop_keeps_running():
-    args = Namespace(rm_type="math", rm_timeout_secs=TIMEOUT, rm_num_workers=2)
+    args = slime_flags(rm_type="math", rm_timeout_secs=TIMEOUT, rm_num_workers=2)
 
     async def scenario():
         # Start both workers first, so that the timing below is the grading alone.
@@ -88,7 +88,7 @@ def test_stuck_answers_time_out_while_the_event_loop_keeps_running():
     "the other answers are graded by the second worker before the stuck one times out",
 )
 def test_other_answers_are_graded_while_one_is_stuck():
-    args = Namespace(rm_type="math", rm_timeout_secs=TIMEOUT, rm_num_workers=2)
+    args = slime_flags(rm_type="math", rm_timeout_secs=TIMEOUT, rm_num_workers=2)
     finished = []
 
     async def score(sample):
@@ -119,7 +119,7 @@ def test_other_answers_are_graded_while_one_is_stuck():
     "the answer scores as wrong, reward/worker_crashes counts it, a new worker grades the next",
 )
 def test_a_worker_that_dies_mid_answer_is_replaced():
-    args = Namespace(rm_type="dapo", rm_timeout_secs=30.0, rm_num_workers=1)
+    args = slime_flags(rm_type="dapo", rm_timeout_secs=30.0, rm_num_workers=1)
 
     async def scenario():
         assert (await async_rm(args, Sample(response="Answer: 4", label="4")))["score"] == 1.0
@@ -156,12 +156,12 @@ def test_an_error_inside_the_worker_is_reported_with_its_traceback():
 
 def test_workers_start_before_the_first_answer_and_then_grade_it():
     # A custom reward function or a non-rule-based type needs no workers: none start.
-    start_reward_workers(Namespace(rm_type="math", custom_rm_path="my.reward", rm_num_workers=2))
-    start_reward_workers(Namespace(rm_type="remote_rm", custom_rm_path=None, rm_num_workers=2))
+    start_reward_workers(slime_flags(rm_type="math", custom_rm_path="my.reward", rm_num_workers=2))
+    start_reward_workers(slime_flags(rm_type="remote_rm", custom_rm_path=None, rm_num_workers=2))
     time.sleep(0.5)
     assert get_reward_pool(2).pids() == []
 
-    start_reward_workers(Namespace(rm_type="math", custom_rm_path=None, rm_num_workers=2))
+    start_reward_workers(slime_flags(rm_type="math", custom_rm_path=None, rm_num_workers=2))
     deadline = time.monotonic() + 60
     while len(get_reward_pool(2).pids()) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -189,7 +189,7 @@ def test_bad_pool_settings_name_the_flag():
     "graded in a worker like every built-in reward: scores 0 at once, a correct answer after it still scores 1",
 )
 def test_hostile_gpqa_response_is_graded_in_a_worker():
-    args = Namespace(rm_type="gpqa", rm_timeout_secs=30.0)
+    args = slime_flags(rm_type="gpqa", rm_timeout_secs=30.0)
     hostile = Sample(index=0, response="The answer" + " " * 5000 + "is unclear", label="B")
     assert asyncio.run(async_rm(args, hostile)) == 0.0
     assert len(get_reward_pool(1).pids()) == 1  # in a worker, not on this loop
@@ -202,6 +202,6 @@ def test_every_built_in_type_scores_as_wrong_past_the_timeout():
     # A timeout no answer can meet: each type's worker is killed, and the answer scores as a wrong one.
     expected = {"f1": 0.0, "gpqa": 0.0, "last_number": 0.0, "dapo": {"score": -1.0, "acc": False, "pred": "2"}}
     for rm_type, wrong in expected.items():
-        args = Namespace(rm_type=rm_type, rm_timeout_secs=1e-6)
+        args = slime_flags(rm_type=rm_type, rm_timeout_secs=1e-6)
         assert asyncio.run(async_rm(args, Sample(index=0, response="Answer: 2", label="2"))) == wrong, rm_type
     assert pop_reward_metrics()["reward/timeouts"] == len(expected)

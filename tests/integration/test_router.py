@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -113,7 +112,7 @@ def test_wait_for_workers_names_missing_worker(router):
 
 def test_running_router_is_reused_not_launched(router):
     host, port = router.url.removeprefix("http://").split(":")
-    args = Namespace(sglang_router_ip=host, sglang_router_port=int(port), router_args=router_options(policy="random"))
+    args = slime_flags(sglang_router_ip=host, sglang_router_port=int(port), router_args=router_options(policy="random"))
     external = start_router(args)
     assert external.process is None and external.url == router.url
     external.stop()
@@ -121,13 +120,13 @@ def test_running_router_is_reused_not_launched(router):
 
 
 def test_router_refuses_managed_router_args():
-    args = Namespace(sglang_router_ip=None, sglang_router_port=None, router_args={"port": 1234})
+    args = slime_flags(router_args={"port": 1234})
     with pytest.raises(ValueError, match="--sglang-router-port"):
         start_router(args)
 
 
 def test_stop_leaves_no_router_process(log_dir):
-    args = Namespace(sglang_router_ip=None, sglang_router_port=None, router_args={}, server_log_dir=str(log_dir))
+    args = slime_flags(server_log_dir=str(log_dir))
     handle = start_router(args)
     pid = handle.process.pid
     assert os.path.exists(f"/proc/{pid}")

@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 from support.engines import engine_server
+from support.flags import slime_flags
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.agent.chat_turns import continuation_ids
@@ -227,7 +228,7 @@ async def tool_loop_agent(base_url: str, sample: Sample, sampling_params: dict) 
 
 
 def agent_args(model_dir, engine_url: str, max_turns: int) -> argparse.Namespace:
-    return argparse.Namespace(
+    return slime_flags(
         agent_function_path="test_trajectory_proxy.tool_loop_agent",
         max_turns=max_turns,
         hf_checkpoint=str(model_dir),

@@ -19,6 +19,7 @@ from slime.utils.arguments import (
 )
 from slime.utils.arguments.cluster import _copy_prefixed_actions
 from slime.utils.arguments.validation import cpu_thread_counts
+from slime.utils.mask_utils import LOSS_MASK_TYPES
 
 # Explicit backends so these tests mean the same with or without CUDA.
 BASE = [
@@ -639,3 +640,11 @@ def test_prefixed_copies_of_on_off_options_keep_their_negative_form():
     assert target.parse_args(["--sglang-enable-tf32-matmul"]).sglang_enable_tf32_matmul is True
     assert target.parse_args(["--sglang-no-enable-tf32-matmul"]).sglang_enable_tf32_matmul is False
     assert target.parse_args([]).sglang_enable_tf32_matmul is None
+
+
+def test_every_upstream_loss_mask_type_parses_and_others_are_refused():
+    for mask_type in LOSS_MASK_TYPES:
+        assert parse_args(BASE + ["--loss-mask-type", mask_type]).loss_mask_type == mask_type
+    assert "qwen3_5" in LOSS_MASK_TYPES
+    with pytest.raises(ArgumentValidationError, match="--loss-mask-type .* use one of qwen, qwen3, qwen3_5"):
+        parse_args(BASE + ["--loss-mask-type", "qwen4"])

@@ -6,6 +6,7 @@ from argparse import Namespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.flags import slime_flags
 from transformers import AutoTokenizer
 
 from slime.utils.data import Dataset, load_dataset, read_records
@@ -19,7 +20,7 @@ TOOLS_TEMPLATE = (
 
 
 def make_args(**overrides) -> Namespace:
-    args = Namespace(
+    args = slime_flags(
         prompt_data=None,
         input_key="input",
         label_key=None,

@@ -8,6 +8,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 import torch
+from support.flags import slime_flags
 from support.untrusted_payloads import MakesAFolderWhenUnpickled
 from transformers import AutoTokenizer
 
@@ -38,7 +39,7 @@ def greedy_filter(args, rollout_id, buffer, num_samples):
 def make_args(tmp_path, num_prompts=5, **overrides) -> Namespace:
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"input": f"prompt {i}", "label": str(i)}) + "\n" for i in range(num_prompts)))
-    args = Namespace(
+    args = slime_flags(
         prompt_data=str(path),
         input_key="input",
         label_key="label",

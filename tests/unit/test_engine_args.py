@@ -2,7 +2,8 @@
 the default rollout, the multi-turn helpers, the agent rollout and the engine launchers."""
 
 import json
-from argparse import Namespace
+
+from support.flags import slime_flags
 
 from slime.agent import multi_turn
 from slime.backends.sglang_utils import engine_command_line
@@ -17,14 +18,16 @@ def test_context_length_is_the_sglang_flag_on_sglang_and_the_model_config_on_cpu
         "trust_remote_code": False,
         "sglang_server_args": {"context_length": 2048},
     }
-    assert engine_context_length(Namespace(**flagged, rollout_backend="sglang")) == 2048
-    assert engine_context_length(Namespace(**flagged, rollout_backend="cpu")) == positions  # the CPU engine ignores it
-    assert engine_context_length(Namespace(hf_checkpoint=str(tiny_model_dir), trust_remote_code=False)) == positions
+    assert engine_context_length(slime_flags(**flagged, rollout_backend="sglang")) == 2048
+    assert (
+        engine_context_length(slime_flags(**flagged, rollout_backend="cpu")) == positions
+    )  # the CPU engine ignores it
+    assert engine_context_length(slime_flags(hf_checkpoint=str(tiny_model_dir), trust_remote_code=False)) == positions
 
 
 def test_context_limit_is_the_requested_length_never_past_the_engine(tiny_model_dir):
     positions = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
-    args = Namespace(
+    args = slime_flags(
         hf_checkpoint=str(tiny_model_dir),
         trust_remote_code=False,
         rollout_max_context_len=None,
@@ -39,18 +42,18 @@ def test_context_limit_is_the_requested_length_never_past_the_engine(tiny_model_
 
 def test_failover_window_covers_one_health_round_with_fault_tolerance_only():
     health = {"rollout_health_check_first_wait": 5.0, "rollout_health_check_interval": 2.0}
-    args = Namespace(**health, rollout_health_check_timeout=1.5, use_fault_tolerance=False)
+    args = slime_flags(**health, rollout_health_check_timeout=1.5, use_fault_tolerance=False)
     assert engine_failover_window(args) == 0.0
     args.use_fault_tolerance = True
     assert engine_failover_window(args) == 5.0 + 2.0 + 1.5 + 30.0
 
 
 def test_api_key_comes_from_the_sglang_flags_or_the_slime_flag():
-    assert engine_api_key(Namespace(sglang_server_args={"api_key": "k1"}, sglang_api_key="k2")) == "k1"
-    assert engine_api_key(Namespace(sglang_server_args={"api-key": "k1"})) == "k1"
-    assert engine_api_key(Namespace(sglang_server_args={}, sglang_api_key="k2")) == "k2"
-    assert engine_api_key(Namespace(sglang_server_args=None, sglang_api_key="")) is None
-    assert engine_api_key(Namespace()) is None
+    assert engine_api_key(slime_flags(sglang_server_args={"api_key": "k1"}, sglang_api_key="k2")) == "k1"
+    assert engine_api_key(slime_flags(sglang_server_args={"api-key": "k1"})) == "k1"
+    assert engine_api_key(slime_flags(sglang_server_args={}, sglang_api_key="k2")) == "k2"
+    assert engine_api_key(slime_flags(sglang_server_args={}, sglang_api_key="")) is None
+    assert engine_api_key(slime_flags()) is None
 
 
 def test_the_old_import_paths_name_the_same_functions():

@@ -7,10 +7,10 @@ import random
 import socket
 import threading
 import time
-from argparse import Namespace
 
 import pytest
 from aiohttp import web
+from support.flags import slime_flags
 
 from slime.rollout.rm_hub import RewardFunctionError, async_rm, batched_async_rm
 from slime.rollout.rm_hub.dapo import compute_dapo_reward
@@ -106,7 +106,7 @@ def test_normalize_final_answer(raw, expected):
 )
 def test_math_reward(response, label, expected):
     assert compute_math_reward(response, label) == expected
-    assert rm(Namespace(rm_type="math"), Sample(response=response, label=label)) == expected
+    assert rm(slime_flags(rm_type="math"), Sample(response=response, label=label)) == expected
 
 
 @pytest.mark.reliability("a power tower 9^{9^{9^{9}}} as a math answer", "refused before evaluation: scores 0 at once")
@@ -164,7 +164,7 @@ def test_dapo_reward():
 
 def test_dapo_reward_through_async_rm_picks_with_reward_key():
     sample = Sample(index=0, response="Answer: 3", label="3")
-    sample.reward = rm(Namespace(rm_type="dapo"), sample)
+    sample.reward = rm(slime_flags(rm_type="dapo"), sample)
     assert sample.get_reward_value("score") == 1.0
 
 
@@ -184,14 +184,14 @@ def test_f1_score_by_hand():
 
 def test_boxed_prefix_grades_the_boxed_answer():
     sample = Sample(response="blah blah \\boxed{Barack Obama}", label="Barack Obama")
-    assert rm(Namespace(rm_type="boxed_f1"), sample) == 1.0
+    assert rm(slime_flags(rm_type="boxed_f1"), sample) == 1.0
     # Plain f1 sees "blah blah boxedbarack obama" (4 tokens) vs "barack obama": 1 shared,
     # P = 1/4, R = 1/2, F1 = 2 * (1/8) / (3/4) = 1/3.
-    assert rm(Namespace(rm_type="f1"), sample) == pytest.approx(1 / 3)
-    assert rm(Namespace(rm_type="boxed_f1"), Sample(response="Barack Obama", label="Barack Obama")) == 0.0
-    assert rm(Namespace(rm_type="boxed_gpqa"), Sample(response="A is tempting, but \\boxed{B}", label="B")) == 1.0
-    assert rm(Namespace(rm_type="gpqa"), Sample(response="Answer: B", label="B")) == 1.0
-    assert rm(Namespace(rm_type="boxed_gpqa"), Sample(response="Answer: B", label="B")) == 0.0  # nothing boxed
+    assert rm(slime_flags(rm_type="f1"), sample) == pytest.approx(1 / 3)
+    assert rm(slime_flags(rm_type="boxed_f1"), Sample(response="Barack Obama", label="Barack Obama")) == 0.0
+    assert rm(slime_flags(rm_type="boxed_gpqa"), Sample(response="A is tempting, but \\boxed{B}", label="B")) == 1.0
+    assert rm(slime_flags(rm_type="gpqa"), Sample(response="Answer: B", label="B")) == 1.0
+    assert rm(slime_flags(rm_type="boxed_gpqa"), Sample(response="Answer: B", label="B")) == 0.0  # nothing boxed
 
 
 # ---------------------------------------------------------------- gpqa
@@ -231,14 +231,14 @@ def test_gpqa_reward():
 
 def test_gpqa_uses_sample_metadata_through_async_rm():
     sample = Sample(response="The answer is A", label="red", metadata={"choices": ["red", "green", "blue", "yellow"]})
-    assert rm(Namespace(rm_type="gpqa"), sample) == 1.0
+    assert rm(slime_flags(rm_type="gpqa"), sample) == 1.0
 
 
 # ---------------------------------------------------------------- dispatch
 
 
 def test_random_reward_is_zero_or_one_and_follows_the_seed():
-    args = Namespace(rm_type="random")
+    args = slime_flags(rm_type="random")
     random.seed(7)
     first = [rm(args, Sample()) for _ in range(40)]
     random.seed(7)
@@ -249,7 +249,7 @@ def test_random_reward_is_zero_or_one_and_follows_the_seed():
 
 def test_metadata_rm_type_overrides_args():
     sample = Sample(response="\\boxed{4}", label="4", metadata={"rm_type": "math"})
-    assert rm(Namespace(rm_type="f1"), sample) == 1.0
+    assert rm(slime_flags(rm_type="f1"), sample) == 1.0
 
 
 @pytest.mark.reliability(
@@ -257,23 +257,23 @@ def test_metadata_rm_type_overrides_args():
 )
 def test_unknown_rm_type_lists_valid_types():
     with pytest.raises(ValueError) as error:
-        rm(Namespace(rm_type="maths"), Sample(response="1", label="1"))
+        rm(slime_flags(rm_type="maths"), Sample(response="1", label="1"))
     message = str(error.value)
     assert "'maths'" in message
     for name in ("math", "deepscaler", "dapo", "f1", "gpqa", "remote_rm", "random", "boxed_"):
         assert name in message
     for already_boxed in ("boxed_random", "boxed_math"):  # math finds the boxed answer itself
         with pytest.raises(ValueError, match=already_boxed):
-            rm(Namespace(rm_type=already_boxed), Sample())
+            rm(slime_flags(rm_type=already_boxed), Sample())
     with pytest.raises(ValueError, match="--rm-type"):
-        rm(Namespace(), Sample())
+        rm(slime_flags(), Sample())
 
 
 @pytest.mark.reliability("gpqa label that is no option", "RewardFunctionError naming the rm type and sample index")
 def test_builtin_reward_error_names_type_and_sample():
     sample = Sample(index=5, response="Answer: A", label="purple")
     with pytest.raises(RewardFunctionError, match="reward type 'gpqa' failed on sample index 5") as error:
-        rm(Namespace(rm_type="gpqa"), sample)
+        rm(slime_flags(rm_type="gpqa"), sample)
     # Raised in the grading worker: its error and traceback come back as the cause.
     assert isinstance(error.value.__cause__, RewardWorkerError)
     assert str(error.value.__cause__).startswith("ValueError: gpqa label 'purple' is neither an option letter")
@@ -309,24 +309,24 @@ def broken_rm(args, sample):
 
 def test_custom_rm_sync_and_async():
     sample = Sample(response="abc", label="abc")
-    assert rm(Namespace(custom_rm_path=f"{__name__}.exact_match_rm", rm_type="random"), sample) == 1.0
-    assert rm(Namespace(custom_rm_path=f"{__name__}.length_rm"), sample) == 3.0
-    args = Namespace(custom_rm_path=f"{__name__}.length_rm")
+    assert rm(slime_flags(custom_rm_path=f"{__name__}.exact_match_rm", rm_type="random"), sample) == 1.0
+    assert rm(slime_flags(custom_rm_path=f"{__name__}.length_rm"), sample) == 3.0
+    args = slime_flags(custom_rm_path=f"{__name__}.length_rm")
     assert asyncio.run(async_rm(args, sample, scale=2.0)) == 6.0  # kwargs reach the custom function
 
 
 def test_batched_rm_per_sample_and_per_group():
     samples = [Sample(index=i, response="x" * n, label="xx") for i, n in enumerate([1, 3, 2])]
-    per_sample = asyncio.run(batched_async_rm(Namespace(custom_rm_path=f"{__name__}.exact_match_rm"), samples))
+    per_sample = asyncio.run(batched_async_rm(slime_flags(custom_rm_path=f"{__name__}.exact_match_rm"), samples))
     assert per_sample == [0.0, 0.0, 1.0]
-    assert asyncio.run(batched_async_rm(Namespace(rm_type="math"), [Sample(response="\\boxed{2}", label=2)])) == [1.0]
+    assert asyncio.run(batched_async_rm(slime_flags(rm_type="math"), [Sample(response="\\boxed{2}", label=2)])) == [1.0]
 
     GROUP_CALLS.clear()
-    group_args = Namespace(custom_rm_path=f"{__name__}.longest_wins_group_rm", group_rm=True)
+    group_args = slime_flags(custom_rm_path=f"{__name__}.longest_wins_group_rm", group_rm=True)
     assert asyncio.run(batched_async_rm(group_args, samples)) == [0.0, 1.0, 0.0]
     assert GROUP_CALLS == [[0, 1, 2]]  # called once with the whole group
 
-    short_args = Namespace(custom_rm_path=f"{__name__}.short_group_rm", group_rm=True)
+    short_args = slime_flags(custom_rm_path=f"{__name__}.short_group_rm", group_rm=True)
     with pytest.raises(RewardFunctionError, match="returned 1 rewards for 3 samples"):
         asyncio.run(batched_async_rm(short_args, samples))
 
@@ -336,14 +336,14 @@ def test_batched_rm_per_sample_and_per_group():
     "RewardFunctionError naming the path and sample indices, original error chained",
 )
 def test_raising_custom_rm_gives_clear_chained_error():
-    args = Namespace(custom_rm_path=f"{__name__}.broken_rm")
+    args = slime_flags(custom_rm_path=f"{__name__}.broken_rm")
     with pytest.raises(RewardFunctionError) as error:
         rm(args, Sample(index=7, response="r", label="l"))
     message = str(error.value)
     assert f"{__name__}.broken_rm" in message and "sample index 7" in message and "answer_field" in message
     assert isinstance(error.value.__cause__, KeyError)
 
-    group_args = Namespace(custom_rm_path=f"{__name__}.broken_rm", group_rm=True)
+    group_args = slime_flags(custom_rm_path=f"{__name__}.broken_rm", group_rm=True)
     with pytest.raises(RewardFunctionError, match=r"samples with index \[3, 4\]") as group_error:
         asyncio.run(batched_async_rm(group_args, [Sample(index=3), Sample(index=4)]))
     assert isinstance(group_error.value.__cause__, KeyError)
@@ -352,7 +352,7 @@ def test_raising_custom_rm_gives_clear_chained_error():
 @pytest.mark.reliability("--custom-rm-path naming a missing module", "ValueError naming the path")
 def test_bad_custom_rm_path_names_it():
     with pytest.raises(ValueError, match="no_such_module_xyz"):
-        rm(Namespace(custom_rm_path="no_such_module_xyz.rm"), Sample())
+        rm(slime_flags(custom_rm_path="no_such_module_xyz.rm"), Sample())
 
 
 USER_RM_MODULE = """
@@ -381,7 +381,7 @@ def user_rm_module(tmp_path, monkeypatch):
     "RewardFunctionError naming the dotted path and sample index, original error chained",
 )
 def test_user_module_rm_that_raises_names_path_and_sample(user_rm_module):
-    args = Namespace(custom_rm_path=f"{user_rm_module}.rm")
+    args = slime_flags(custom_rm_path=f"{user_rm_module}.rm")
     samples = [Sample(index=i, response=r) for i, r in enumerate(["ab", "abcd", "", "a"])]
     with pytest.raises(RewardFunctionError) as error:
         asyncio.run(batched_async_rm(args, samples))
@@ -397,7 +397,7 @@ def test_user_module_rm_that_raises_names_path_and_sample(user_rm_module):
 def test_user_rm_calling_sys_exit_cannot_kill_the_shared_loop(user_rm_module):
     from slime.utils.async_utils import run
 
-    args = Namespace(custom_rm_path=f"{user_rm_module}.quits")
+    args = slime_flags(custom_rm_path=f"{user_rm_module}.quits")
     outcome = []
 
     def call():
@@ -480,7 +480,7 @@ def test_remote_rm_against_local_server():
         async with reward_server(routes) as base:
 
             def args(path, **fields):
-                return Namespace(rm_type="remote_rm", rm_url=base + path, rm_retry_delay=0.0, **fields)
+                return slime_flags(rm_type="remote_rm", rm_url=base + path, rm_retry_delay=0.0, **fields)
 
             assert await async_rm(args("/exact"), sample) == 1.0
             assert received == [{"prompt": "1+1?", "response": "2", "label": "2", "metadata": {"source": "unit"}}]
@@ -510,11 +510,11 @@ def test_remote_rm_unreachable_and_unconfigured():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         closed_port = probe.getsockname()[1]
-    args = Namespace(rm_type="remote_rm", rm_url=f"http://127.0.0.1:{closed_port}/rm", rm_max_retries=0)
+    args = slime_flags(rm_type="remote_rm", rm_url=f"http://127.0.0.1:{closed_port}/rm", rm_max_retries=0)
     with pytest.raises(RewardFunctionError, match=f"cannot reach reward server http://127.0.0.1:{closed_port}/rm"):
         rm(args, Sample())
     with pytest.raises(RewardFunctionError, match="--rm-url"):
-        rm(Namespace(rm_type="remote_rm"), Sample())
+        rm(slime_flags(rm_type="remote_rm"), Sample())
 
 
 @pytest.mark.reliability(
@@ -544,7 +544,7 @@ def test_remote_rm_times_out_and_retries():
             try:
 
                 def args(path, **fields):
-                    return Namespace(
+                    return slime_flags(
                         rm_type="remote_rm",
                         rm_url=base + path,
                         rm_request_timeout_secs=0.5,
@@ -590,4 +590,4 @@ def test_last_number_reward(response, label, expected):
 
 def test_last_number_is_a_builtin_rm_type():
     sample = Sample(index=0, response="so 2 + 2 = 4", label="4")
-    assert asyncio.run(async_rm(Namespace(rm_type="last_number", custom_rm_path=None), sample)) == 1.0
+    assert asyncio.run(async_rm(slime_flags(rm_type="last_number", custom_rm_path=None), sample)) == 1.0

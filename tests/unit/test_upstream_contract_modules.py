@@ -257,7 +257,7 @@ def test_stream_into_sample_sends_a_samples_images():
 
     async def run() -> None:
         async with engine as port:
-            args = Namespace(sglang_router_ip="127.0.0.1", sglang_router_port=port)
+            args = slime_flags(sglang_router_ip="127.0.0.1", sglang_router_port=port)
             await stream_into_sample(args, sample, {"max_new_tokens": 1})
 
     asyncio.run(run())

@@ -11,6 +11,7 @@ from argparse import Namespace
 
 import pytest
 import torch
+from support.flags import slime_flags
 
 from slime.rollout import sglang_rollout
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
@@ -36,7 +37,7 @@ def int32_base64(values: list[int]) -> str:
 
 # ---- Sample.append_response_tokens -----------------------------------------------------------------------------
 def test_append_response_tokens_keeps_a_multi_turn_sample_aligned():
-    args = Namespace(sglang_speculative_algorithm="EAGLE")
+    args = slime_flags(sglang_speculative_algorithm="EAGLE")
     sample = Sample(index=0, tokens=[1, 2, 3])
     first_turn = {"finish_reason": {"type": "stop"}, "weight_version": 4, "prompt_tokens": 3, "cached_tokens": 1,
                   "completion_tokens": 2, "spec_accept_token_num": 1, "spec_draft_token_num": 4, "spec_verify_ct": 1}  # fmt: skip
@@ -60,7 +61,7 @@ def test_append_response_tokens_keeps_a_multi_turn_sample_aligned():
 
     # Without speculative decoding nothing is counted; a streaming chunk (no terminal info) leaves the status be.
     plain = Sample(index=1, tokens=[1])
-    plain.append_response_tokens(Namespace(), tokens=[2], log_probs=[-1.0], meta_info=first_turn)
+    plain.append_response_tokens(slime_flags(), tokens=[2], log_probs=[-1.0], meta_info=first_turn)
     assert plain.spec_info == Sample.SpecInfo() and plain.status is Status.COMPLETED
     plain.append_response_tokens(None, tokens=[3], log_probs=[-1.0], meta_info=second_turn, update_terminal_info=False)
     assert plain.status is Status.COMPLETED and plain.weight_versions == ["4"]
@@ -95,7 +96,7 @@ def test_append_response_tokens_reads_routed_experts():
     sample = Sample(index=0, tokens=[1, 2])
     meta = {"routed_experts": encode_routed_experts(routed), "finish_reason": {"type": "stop"}}
     sample.append_response_tokens(
-        Namespace(num_layers=2, moe_router_topk=2), tokens=[3, 4], log_probs=[0.0, 0.0], meta_info=meta
+        slime_flags(num_layers=2, moe_router_topk=2), tokens=[3, 4], log_probs=[0.0, 0.0], meta_info=meta
     )
     assert torch.equal(sample.rollout_routed_experts.long(), routed)
 
@@ -166,9 +167,9 @@ def test_call_rollout_fn_wraps_legacy_outputs():
 
 
 def test_dynamic_filter_helpers():
-    assert call_dynamic_filter(None, Namespace(), []) == DynamicFilterOutput(keep=True)
-    assert call_dynamic_filter(lambda args, samples: False, Namespace(), []) == DynamicFilterOutput(keep=False)
-    assert call_dynamic_filter(lambda args, samples: DynamicFilterOutput(False, "x"), Namespace(), []).reason == "x"
+    assert call_dynamic_filter(None, slime_flags(), []) == DynamicFilterOutput(keep=True)
+    assert call_dynamic_filter(lambda args, samples: False, slime_flags(), []) == DynamicFilterOutput(keep=False)
+    assert call_dynamic_filter(lambda args, samples: DynamicFilterOutput(False, "x"), slime_flags(), []).reason == "x"
 
     drop, fallback = DynamicFilterOutput(False, "zero"), DynamicFilterOutput(False, "zero", keep_when_insufficient=True)
     assert should_drop_dynamic_filter_output(drop, remaining_batch_size=1, target_data_size=4)
@@ -182,9 +183,9 @@ def test_dynamic_filter_helpers():
     assert gatherer.collect() == {"rollout/dynamic_filter/drop_zero": 2.0, "rollout/dynamic_filter/drop_broken": 1.0}
 
     same = [Sample(index=i, reward=1.0) for i in range(2)]
-    verdict = check_reward_nonzero_std_with_fallback(Namespace(), same)
+    verdict = check_reward_nonzero_std_with_fallback(slime_flags(), same)
     assert (verdict.keep, verdict.keep_when_insufficient) == (False, True)
-    unscored = check_reward_nonzero_std_with_fallback(Namespace(), [Sample(index=0), Sample(index=1, reward=1.0)])
+    unscored = check_reward_nonzero_std_with_fallback(slime_flags(), [Sample(index=0), Sample(index=1, reward=1.0)])
     assert (unscored.keep, unscored.keep_when_insufficient) == (False, False)  # never stands in for a good group
 
 
@@ -287,7 +288,7 @@ async def rank_in_group(args, samples):
 def test_group_rm_refuses_samples_that_name_another_reward():
     from slime.rollout.rm_hub import batched_async_rm
 
-    args = Namespace(group_rm=True, custom_rm_path=f"{MODULE}.rank_in_group")
+    args = slime_flags(group_rm=True, custom_rm_path=f"{MODULE}.rank_in_group")
     group = [Sample(index=i, group_index=0, prompt="p", response="r") for i in range(3)]
     group[0].custom_rm_path = args.custom_rm_path  # naming the group function itself is no conflict
     assert asyncio.run(batched_async_rm(args, group)) == [0.0, 1.0, 2.0]
@@ -372,7 +373,7 @@ def test_abort_stops_queued_requests_and_returns_the_groups(rollout_args):
 
 
 def test_a_group_its_generate_function_grew_goes_back_as_its_prompt_samples(caplog):
-    args = Namespace(n_samples_per_prompt=2, partial_rollout=False)
+    args = slime_flags(n_samples_per_prompt=2, partial_rollout=False)
     # multi_agent's shape: two agents' samples from each of the group's two prompt samples (index 4 and 5)
     grown = [Sample(index=4 + k // 2, group_index=2, prompt="p", tokens=[1, 2], response="r", response_length=1,
                     reward=1.0, status=Status.COMPLETED) for k in range(4)]  # fmt: skip
@@ -390,7 +391,7 @@ def test_eval_rollout_and_get_model_url(rollout_args):
     assert returned == [] and output.data["toy"]["rewards"] == [0.0]
     assert output.data["toy"]["samples"][0].rollout_id == 5
 
-    routed = Namespace(sglang_router_ip="10.0.0.1", sglang_router_port=3000, sglang_model_routers={"ref": ("h", 9)})
+    routed = slime_flags(sglang_router_ip="10.0.0.1", sglang_router_port=3000, sglang_model_routers={"ref": ("h", 9)})
     assert sglang_rollout.get_model_url(routed, "ref") == "http://h:9/generate"
     assert sglang_rollout.get_model_url(routed, "ref", "v1/chat/completions") == "http://h:9/v1/chat/completions"
     assert sglang_rollout.get_model_url(routed, "actor") == "http://10.0.0.1:3000/generate"

@@ -225,7 +225,7 @@ def _lora_serving_options(args: argparse.Namespace, every_linear: str) -> dict[s
     """
     if not engines_serve_adapter(args):
         return {}
-    targets = list(getattr(args, "target_modules", None) or ["all-linear"])
+    targets = list(args.target_modules)
     return {
         "enable_lora": True,
         "max_lora_rank": args.lora_rank,

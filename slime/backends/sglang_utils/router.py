@@ -109,11 +109,9 @@ def start_router(args: argparse.Namespace, startup_timeout: float = 60.0) -> Rou
         RuntimeError / TimeoutError: the launched router died or never became healthy (the error carries
             the end of its log).
     """
-    # Any namespace with the router fields will do (a router launched on its own, outside a run).
-    host = getattr(args, "sglang_router_ip", None)
-    port = getattr(args, "sglang_router_port", None)
+    host, port = args.sglang_router_ip, args.sglang_router_port
     parser = router_cli_parser()
-    router_options = drop_parser_defaults(getattr(args, "router_args", None) or {}, parser)
+    router_options = drop_parser_defaults(args.router_args or {}, parser)
 
     if host and port and _is_healthy(f"http://{host}:{port}"):
         if router_options:
@@ -133,7 +131,7 @@ def start_router(args: argparse.Namespace, startup_timeout: float = 60.0) -> Rou
         "host": host,
         "port": port,
         "prometheus_port": find_free_port("127.0.0.1", exclude={port}),
-        "request_timeout_secs": getattr(args, "sglang_router_request_timeout_secs", 14400),
+        "request_timeout_secs": args.sglang_router_request_timeout_secs,
     }
     # A changed --router-* value wins, --router-request-timeout-secs over --sglang-router-request-timeout-secs too.
     options |= DEFAULT_ROUTER_OPTIONS | router_options

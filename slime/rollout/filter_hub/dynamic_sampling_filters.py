@@ -24,8 +24,7 @@ def _rewards(args, samples: list[Sample]) -> list[float] | DynamicFilterOutput:
     unscored = [sample.index for sample in samples if sample.reward is None]
     if unscored:
         return DynamicFilterOutput(keep=False, reason=f"no reward for samples with index {unscored}")
-    reward_key = getattr(args, "reward_key", None)
-    return [sample.get_reward_value(reward_key) for sample in samples]
+    return [sample.get_reward_value(args.reward_key) for sample in samples]
 
 
 def check_reward_nonzero_std(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:

@@ -37,8 +37,6 @@ from .math_rm import compute_math_reward
 from .math_utils import extract_boxed_answer, grade_answer_verl
 from .remote_rm import remote_rm
 from .reward_workers import (
-    DEFAULT_NUM_WORKERS,
-    DEFAULT_TIMEOUT_SECS,
     GradingCrash,
     GradingTimeout,
     add_reward_seconds,
@@ -114,9 +112,8 @@ async def _builtin_reward(args, sample: Sample, base_type: str, boxed: bool) -> 
         response = extract_boxed_answer(response) or ""
     # Every rule-based type in a worker process, under --rm-timeout-secs: sympy or a regular expression on a
     # hostile response can run for minutes, and here it would stall every other sample of the rollout.
-    num_workers, timeout = getattr(args, "rm_num_workers", None), getattr(args, "rm_timeout_secs", None)
-    pool = get_reward_pool(DEFAULT_NUM_WORKERS if num_workers is None else num_workers)
-    timeout = DEFAULT_TIMEOUT_SECS if timeout is None else timeout
+    pool = get_reward_pool(args.rm_num_workers)
+    timeout = args.rm_timeout_secs
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
     try:
         return await pool.grade(base_type, response, sample.label, timeout, metadata)
@@ -128,16 +125,15 @@ async def _builtin_reward(args, sample: Sample, base_type: str, boxed: bool) -> 
 def start_reward_workers(args) -> None:
     """Start the worker processes now if `args` grade with a built-in rule-based reward (`--rm-type`, no
     `--custom-rm-path`), so that the first rollout does not wait for their start-up."""
-    rm_type = (getattr(args, "rm_type", None) or "").strip()
-    if getattr(args, "custom_rm_path", None) or not rm_type:
+    rm_type = (args.rm_type or "").strip()
+    if args.custom_rm_path or not rm_type:
         return
     try:
         base_type, _ = resolve_rm_type(rm_type)
     except ValueError:
         return  # the first answer raises it, where the rollout reports it
     if base_type in RULE_BASED_REWARDS:
-        num_workers = getattr(args, "rm_num_workers", None)
-        get_reward_pool(DEFAULT_NUM_WORKERS if num_workers is None else num_workers).start()
+        get_reward_pool(args.rm_num_workers).start()
 
 
 async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
@@ -149,8 +145,8 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
             reward) takes the place of `--custom-rm-path`.
         **kwargs: Passed on to a custom reward function.
 
-    The built-in rule-based types are graded in a worker process (`args.rm_num_workers`, default 1), each answer
-    within `args.rm_timeout_secs` (default 5); past it the answer scores as a wrong one and counts in
+    The built-in rule-based types are graded in a worker process (`args.rm_num_workers`), each answer
+    within `args.rm_timeout_secs`; past it the answer scores as a wrong one and counts in
     `pop_reward_metrics()`. Awaiting never blocks the event loop.
 
     Returns:
@@ -160,13 +156,13 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
         ValueError: no reward configured, or an unknown reward type.
         RewardFunctionError: the reward function raised (even SystemExit); the original error is its `__cause__`.
     """
-    custom_rm_path = sample.custom_rm_path or getattr(args, "custom_rm_path", None)
+    custom_rm_path = sample.custom_rm_path or args.custom_rm_path
     if custom_rm_path:
         rm_function = load_function(custom_rm_path)
         rm_name = f"custom reward function {custom_rm_path!r}"
     else:
         metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-        rm_type = (metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
+        rm_type = (metadata.get("rm_type") or args.rm_type or "").strip()
         if not rm_type:
             raise ValueError(f"no reward function: set --rm-type ({_valid_types_text()}) or --custom-rm-path")
         base_type, boxed = resolve_rm_type(rm_type)
@@ -205,8 +201,8 @@ async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list[float 
         ValueError: under `group_rm` with a group function, a sample names another reward (its `custom_rm_path`),
             which the group function would silently take the place of.
     """
-    custom_rm_path = getattr(args, "custom_rm_path", None)
-    if not (getattr(args, "group_rm", False) and custom_rm_path):
+    custom_rm_path = args.custom_rm_path
+    if not (args.group_rm and custom_rm_path):
         return list(await asyncio.gather(*(async_rm(args, sample, **kwargs) for sample in samples)))
 
     indices = [sample.index for sample in samples]

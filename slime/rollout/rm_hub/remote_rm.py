@@ -18,17 +18,6 @@ class RemoteRewardError(RuntimeError):
         self.status = status
 
 
-DEFAULT_REQUEST_TIMEOUT_SECS = 120.0
-DEFAULT_MAX_RETRIES = 3
-DEFAULT_RETRY_DELAY = 1.0
-
-
-def _setting(args, name: str, default):
-    # Tests and user code build args by hand; a missing or None field means the default.
-    value = getattr(args, name, None)
-    return default if value is None else value
-
-
 async def _post_once(session: aiohttp.ClientSession, url: str, payload: dict):
     async with session.post(url, json=payload) as response:
         if response.status >= 400:
@@ -47,10 +36,9 @@ async def remote_rm(args, sample: Sample) -> float | dict:
 
     The request body is `{"prompt", "response", "label", "metadata"}`. The server may answer with a
     bare number, or with a JSON object: its `"reward"` field is used when present, otherwise the whole
-    object is returned (pick a field with `--reward-key`). A request gets `args.rm_request_timeout_secs`
-    (default 120). Timeouts, server errors (5xx) and connection errors are retried `args.rm_max_retries`
-    times (default 3), waiting `args.rm_retry_delay` seconds (default 1.0) doubled after each try; client
-    errors (4xx) fail at once.
+    object is returned (pick a field with `--reward-key`). A request gets `args.rm_request_timeout_secs`.
+    Timeouts, server errors (5xx) and connection errors are retried `args.rm_max_retries` times, waiting
+    `args.rm_retry_delay` seconds doubled after each try; client errors (4xx) fail at once.
 
     Args:
         args: Needs `rm_url`.
@@ -62,12 +50,10 @@ async def remote_rm(args, sample: Sample) -> float | dict:
     Raises:
         RemoteRewardError: the last try failed; the message names the URL and the number of attempts.
     """
-    url = getattr(args, "rm_url", None)
+    url = args.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url (e.g. http://127.0.0.1:8000/reward)")
-    max_retries = _setting(args, "rm_max_retries", DEFAULT_MAX_RETRIES)
-    delay = _setting(args, "rm_retry_delay", DEFAULT_RETRY_DELAY)
-    request_timeout = _setting(args, "rm_request_timeout_secs", DEFAULT_REQUEST_TIMEOUT_SECS)
+    max_retries, delay, request_timeout = args.rm_max_retries, args.rm_retry_delay, args.rm_request_timeout_secs
     if request_timeout <= 0 or max_retries < 0 or delay < 0:
         raise ValueError(
             f"--rm-request-timeout-secs must be > 0 and --rm-max-retries, --rm-retry-delay >= 0; got "

@@ -254,7 +254,7 @@ def _validate_multi_lora(args: argparse.Namespace) -> None:
 
 def _engine_option(args: argparse.Namespace, name: str):
     """A forwarded `--sglang-<name>` value as the user gave it (None when not given)."""
-    options = getattr(args, "sglang_server_args", None) or {}
+    options = args.sglang_server_args
     return options.get(name, options.get(name.replace("_", "-")))
 
 
