@@ -1,5 +1,5 @@
 """Model families the Megatron backend does not build yet, and why (the FSDP trainer and the CPU engine run every
-transformers causal LM, these included)."""
+transformers causal LM, these included); the families whose MTP layers it trains."""
 
 from __future__ import annotations
 
@@ -32,3 +32,8 @@ def megatron_refusal(model_type: str) -> str | None:
         f"slime's Megatron backend does not build {model_type} models yet: they have {layers}. Train them with "
         "--train-backend fsdp (the FSDP trainer and the CPU engine run every transformers causal LM)"
     )
+
+
+# HF model_types whose checkpoints carry multi-token-prediction layers that the Megatron converter maps (DeepSeek-V3
+# and GLM-4.5 as extra decoder layers, MiMo as `mtp_layers`); their configs count them in `num_nextn_predict_layers`.
+MTP_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe", "mimo")

@@ -1,6 +1,7 @@
 import argparse
 import dataclasses
 import importlib.util
+import json
 import logging
 import sys
 import types
@@ -313,18 +314,35 @@ def test_megatron_subset_parses_under_fsdp():
 
 
 @pytest.mark.reliability(
-    "--mtp-num-layers (Megatron's) or --enable-mtp-training (upstream slime's)",
-    "refused at parse time: MTP layers are not trained yet; the main model trains and SGLang's NEXTN drafts with the "
-    "checkpoint's MTP weights",
+    "--enable-mtp-training or --mtp-num-layers where MTP cannot train (FSDP, one without the other, pipeline or "
+    "context parallelism, LoRA, a checkpoint with fewer MTP layers or a family without them)",
+    "refused at parse time, naming the flag, the checkpoint's num_nextn_predict_layers and the fix",
 )
-def test_mtp_flags_are_refused_naming_what_still_works():
-    megatron = without(BASE, "--train-backend") + ["--train-backend", "megatron"]
-    for extra in (["--mtp-num-layers", "1"], ["--mtp-num-layers", "1", "--enable-mtp-training"]):
-        with pytest.raises(ArgumentValidationError, match="multi-token-prediction") as error:
-            parse_args(megatron + extra)
-        assert "--sglang-speculative-algorithm NEXTN" in str(error.value)
-    with pytest.raises(ArgumentValidationError, match="--enable-mtp-training is not supported: training the multi"):
-        parse_args(BASE + ["--enable-mtp-training"])
+def test_mtp_training_is_refused_where_it_cannot_train(tmp_path):
+    def checkpoint(model_type, layers):
+        folder = tmp_path / f"{model_type}_{layers}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type, "num_nextn_predict_layers": layers}))
+        return ["--hf-checkpoint", str(folder)]
+
+    megatron = without(without(BASE, "--train-backend"), "--hf-checkpoint") + ["--train-backend", "megatron"]
+    glm = checkpoint("glm4_moe", 1)
+    cases = {
+        "use --train-backend megatron": BASE + ["--enable-mtp-training"],
+        "only --enable-mtp-training trains: add it": megatron + glm + ["--mtp-num-layers", "1"],
+        "needs --mtp-num-layers N": megatron + glm + ["--enable-mtp-training"],
+        "--pipeline-model-parallel-size 2 is not supported yet": megatron + glm
+        + ["--enable-mtp-training", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
+        r"has 1 MTP layer\(s\) \(num_nextn_predict_layers": megatron + glm
+        + ["--enable-mtp-training", "--mtp-num-layers", "2"],
+        "is a llama model; slime maps the MTP layers of deepseek_v3": megatron + checkpoint("llama", 0)
+        + ["--enable-mtp-training", "--mtp-num-layers", "1"],
+    }  # fmt: skip
+    for message, argv in cases.items():
+        with pytest.raises(ArgumentValidationError, match=message):
+            parse_args(argv)
+    args = parse_args(megatron + glm + ["--enable-mtp-training", "--mtp-num-layers", "1"])
+    assert args.enable_mtp_training and args.mtp_num_layers == 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is not None, reason="megatron installed")

@@ -63,6 +63,7 @@ from slime.backends.megatron_utils.model import (
     initialize_model_parallel_from_args,
     wrap_in_ddp,
 )
+from slime.backends.megatron_utils.mtp import forward_with_mtp, mtp_cross_entropy, mtp_loss_mask
 from slime.backends.megatron_utils.parallel import named_weights
 from slime.backends.megatron_utils.routing_replay import local_routing, moe_routers, set_replay
 from slime.backends.megatron_utils.unwrap import unwrap_model
@@ -175,6 +176,10 @@ class MegatronTrainRayActor(TrainRayActor):
         for chunk in self.model:
             unwrap_model(chunk).config.variable_seq_lengths = True  # packed rows differ in length
         self.routers = [moe_routers(chunk) for chunk in self.model]
+        # --enable-mtp-training (validated with --mtp-num-layers); the critic's model has no MTP layers
+        self.mtp_depth = None if self.value_head else megatron_flag(self.model_args, "mtp_num_layers")
+        # SGLang's NEXTN draft reads the MTP layers from the pushes; the CPU engine has no draft model to take them.
+        self._engines_take_mtp = args.rollout_backend != "cpu"
         if self.replay_routing and not any(self.routers):
             raise ValueError(
                 "--use-rollout-routing-replay: no MoE router can replay; the model is dense (drop the flag) or "
@@ -300,8 +305,25 @@ class MegatronTrainRayActor(TrainRayActor):
             input_ids = zigzag_slice(input_ids, bounds, self.cp_size, rank)
             position_ids = zigzag_slice(position_ids, bounds, self.cp_size, rank)
         if self.use_packed_seq_params:
-            return chunk(input_ids, position_ids, None, packed_seq_params=micro_batch.packed_seq_params())
-        return chunk(input_ids, position_ids, micro_batch.attention_mask())
+            mask, kwargs = None, {"packed_seq_params": micro_batch.packed_seq_params()}
+        else:
+            mask, kwargs = micro_batch.attention_mask(), {}
+        if not self.mtp_depth:
+            return chunk(input_ids, position_ids, mask, **kwargs)
+        response_mask = micro_batch.response_loss_mask
+        if response_mask is None:  # a forward-only pass: the MTP losses are computed and dropped
+            response_mask = torch.ones_like(micro_batch.target_tokens)
+        mtp_mask = mtp_loss_mask(
+            input_ids, micro_batch.cu_seqlens, micro_batch.logit_positions, response_mask, self.mtp_depth
+        )
+        gpt = unwrap_model(chunk)
+        logits, depth_logits = forward_with_mtp(
+            chunk, gpt, input_ids, position_ids, mask, mtp_mask, self.vocab_size, **kwargs
+        )
+        if gpt.training:
+            with torch.no_grad():
+                micro_batch.mtp_loss = float(mtp_cross_entropy(depth_logits, input_ids, mtp_mask, self.vocab_size))
+        return logits
 
     def _response_outputs(
         self, micro_batch: PackedMicroBatch, logits: torch.Tensor, temperature: float, entropy_grad: bool
@@ -427,7 +449,14 @@ class MegatronTrainRayActor(TrainRayActor):
             if reports:
                 for name, value in loss_metrics.items():
                     sums[name] += float(value)
+                if micro_batch.mtp_loss is not None:  # the mean over the step's micro-batches and ranks
+                    sums["mtp_loss"] += micro_batch.mtp_loss / scale
             return loss * scale, {}
+
+        if self.mtp_depth:
+            for micro_batch in micro_batches:
+                masks = [torch.as_tensor(data["loss_masks"][i]) for i in micro_batch.sample_indices]
+                micro_batch.response_loss_mask = torch.cat(masks).to(micro_batch.target_tokens.device)
 
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -480,6 +509,7 @@ class MegatronTrainRayActor(TrainRayActor):
             self.args.update_weight_buffer_size,
             dtype,
             to_every_rank=self.weight_updater.every_rank_sends,
+            include_mtp=self._engines_take_mtp,
         )
 
     # ---- LoRA (--lora-rank; what it changes is TrainRayActor's) ----------------------------------
@@ -556,7 +586,13 @@ class MegatronTrainRayActor(TrainRayActor):
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The whole model's HF-named weights `update_weights` sends, on CPU, on every rank (a collective)."""
         with self._weights_onloaded():
-            buckets = hf_weight_buckets(self.model, self.family, self.vocab_size, self.args.update_weight_buffer_size)
+            buckets = hf_weight_buckets(
+                self.model,
+                self.family,
+                self.vocab_size,
+                self.args.update_weight_buffer_size,
+                include_mtp=self._engines_take_mtp,
+            )
             # Copies: a bucket may view a parameter, whose storage is released again when offloaded.
             return {name: tensor.to("cpu", copy=True) for bucket in buckets for name, tensor in bucket}
 

@@ -41,6 +41,8 @@ class PackedMicroBatch:
         target_tokens: `[M]` the response tokens in sample order.
         response_lengths: Response length of each sample (splits the `M` axis).
         routed_experts: `[1, N, num_layers, top_k]` experts to route each position to (MoE routing replay), or None.
+        response_loss_mask: `[M]` loss mask of the response tokens, set for a training step with MTP (mtp.py).
+        mtp_loss: The MTP cross-entropy the training forward computed (mtp.py), None without MTP.
     """
 
     sample_indices: list[int]
@@ -52,6 +54,8 @@ class PackedMicroBatch:
     target_tokens: torch.Tensor
     response_lengths: list[int]
     routed_experts: torch.Tensor | None = None
+    response_loss_mask: torch.Tensor | None = None
+    mtp_loss: float | None = None
 
     def attention_mask(self) -> torch.Tensor:
         """`[1, 1, N, N]` bool mask for the local attention: True where a query may NOT look."""

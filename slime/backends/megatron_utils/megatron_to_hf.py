@@ -20,7 +20,7 @@ from slime.backends.megatron_utils.parallel import (
     named_weights,
 )
 from slime.backends.megatron_utils.unwrap import unwrap_model
-from slime.backends.megatron_utils.weight_mapping import ModelDims, convert_megatron_tensor_to_hf
+from slime.backends.megatron_utils.weight_mapping import ModelDims, convert_megatron_tensor_to_hf, strip_wrapper_prefix
 
 
 def convert_to_hf(
@@ -54,7 +54,7 @@ def model_dims(model: nn.Module | list[nn.Module], family: str, vocab_size: int)
 
 
 def megatron_state_to_hf(
-    model: nn.Module | list[nn.Module], family: str, vocab_size: int
+    model: nn.Module | list[nn.Module], family: str, vocab_size: int, include_mtp: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the HF tensors of this rank's pipeline stage, gathered over TP and expert parallelism.
 
@@ -68,6 +68,7 @@ def megatron_state_to_hf(
         model: the model chunks (or one chunk), wrapped or not.
         family: model family, e.g. "llama".
         vocab_size: the true vocabulary (the HF config's `vocab_size`).
+        include_mtp: also yield the multi-token-prediction layers (an engine without a draft model takes none).
     """
     from megatron.core import parallel_state
 
@@ -80,6 +81,8 @@ def megatron_state_to_hf(
                 continue  # the embedding, already yielded by the first stage
             if is_adapter_weight(name):
                 continue  # a LoRA adapter: not a weight of the HF model (lora.adapter_state_to_hf exports it)
+            if not include_mtp and strip_wrapper_prefix(name).startswith("mtp."):
+                continue
             full = gather_tensor_parallel(name, tensor, chunk)
             if is_expert_weight(name) and ep_size > 1:
                 per_rank = [torch.empty_like(full) for _ in range(ep_size)]

@@ -38,7 +38,7 @@ from slime.utils.weight_sync import Bucket, bucket_named_tensors
 
 
 def hf_weights(
-    model: list[nn.Module], family: str, vocab_size: int, dtype: torch.dtype | None = None
+    model: list[nn.Module], family: str, vocab_size: int, dtype: torch.dtype | None = None, include_mtp: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor on the training device) of this rank's pipeline stage, a collective over the stage.
 
@@ -47,11 +47,12 @@ def hf_weights(
         family: Model family for the name mapping (e.g. "qwen3").
         vocab_size: The true vocabulary (padded rows are dropped).
         dtype: Cast to this dtype (None keeps the parameter dtype).
+        include_mtp: Also the multi-token-prediction layers.
 
     Yields:
         Contiguous tensors that never alias a parameter (the mapping may return views of one).
     """
-    for name, tensor in megatron_state_to_hf(model, family, vocab_size):
+    for name, tensor in megatron_state_to_hf(model, family, vocab_size, include_mtp):
         yield name, tensor.detach().to(dtype or tensor.dtype).clone(memory_format=torch.contiguous_format)
 
 
@@ -62,6 +63,7 @@ def hf_weight_buckets(
     buffer_size: int,
     dtype: torch.dtype | None = None,
     to_every_rank: bool = True,
+    include_mtp: bool = True,
 ) -> Iterator[Bucket]:
     """The whole model's HF weights in buckets of at most `buffer_size` bytes (`--update-weight-buffer-size`).
 
@@ -78,11 +80,13 @@ def hf_weight_buckets(
         to_every_rank: With pipeline parallelism, whether every rank gets the whole model (colocated
             engines) or only the pipeline group of training rank 0 does (broadcast and disk transports);
             the other ranks then yield nothing.
+        include_mtp: Also the multi-token-prediction layers (SGLang's NEXTN draft reads them; the CPU engine,
+            which has no draft model, takes none).
 
     Yields:
         Lists of (HF name, contiguous tensor on the training device), each name once over all buckets.
     """
-    own = bucket_named_tensors(hf_weights(model, family, vocab_size, dtype), buffer_size)
+    own = bucket_named_tensors(hf_weights(model, family, vocab_size, dtype, include_mtp), buffer_size)
     yield from _pipeline_buckets(own, model, to_every_rank)
 
 

@@ -164,7 +164,8 @@ def _match_layer_rules(rest: str, family: str, hf_prefix: str) -> tuple[list[str
 
 
 def _mtp_names(index: int, rest: str, dims: ModelDims) -> tuple[list[str], str] | None:
-    """MTP layers: MiMo keeps them in `model.mtp_layers.{i}`; DeepSeek-V3 appends them as extra decoder layers."""
+    """MTP layers: MiMo keeps them in `model.mtp_layers.{i}`; DeepSeek-V3 and GLM-4.5 append them as extra decoder
+    layers."""
     if dims.family == "mimo":
         prefix = f"model.mtp_layers.{index}."
         own = {
@@ -173,7 +174,7 @@ def _mtp_names(index: int, rest: str, dims: ModelDims) -> tuple[list[str], str] 
             "eh_proj.weight": ("input_proj.weight", SWAP_HALVES),
             "final_layernorm.weight": ("final_layernorm.weight", COPY),
         }
-    elif dims.family == "deepseek_v3":
+    elif dims.family in ("deepseek_v3", "glm4_moe"):
         prefix = f"model.layers.{dims.num_layers + index}."
         own = {
             "enorm.weight": ("enorm.weight", COPY),

@@ -43,6 +43,10 @@ FLAG_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "pipeline_model_parallel_size": ("test_actor_group.py::test_hand_worked_layout",),
     "context_parallel_size": ("test_flag_effects.py::test_context_parallel_size_groups_the_data_parallel_ranks",),
+    "enable_mtp_training": (
+        "test_megatron_mtp.py::test_the_actor_trains_the_mtp_layer_logs_its_loss_and_exports_it",
+        "test_arguments.py::test_mtp_training_is_refused_where_it_cannot_train",
+    ),
     "expert_model_parallel_size": (
         "test_flag_effects.py::test_megatron_precision_and_parallel_flags_reach_the_config",
     ),

@@ -98,11 +98,6 @@ REFUSED_FLAGS: dict[str, Refusal] = {
     ),
     "allgather_cp": Refusal("context-parallel all-gather for DSA models is not implemented", "drop it"),
     "qwen_gdn_backend": Refusal("Qwen3-Next gated delta-net layers are not supported", "drop it"),
-    "enable_mtp_training": Refusal(
-        "training the multi-token-prediction (MTP) layers is not implemented yet",
-        "drop it and --mtp-num-layers: the main model trains as usual, and SGLang's speculative decoding "
-        "(--sglang-speculative-algorithm NEXTN) drafts with the MTP weights of --hf-checkpoint, which stay as loaded",
-    ),
     "custom_megatron_init_path": Refusal(
         "the Megatron init hook is not called (and the FSDP backend initializes no Megatron)",
         "run your setup at import time of a module passed to another hook, or in --custom-model-provider-path",

@@ -143,7 +143,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--enable-mtp-training",
         action="store_true",
-        help="Train the multi-token-prediction layers (with Megatron's --mtp-num-layers). Not implemented yet.",
+        help="Megatron: train the checkpoint's first --mtp-num-layers multi-token-prediction layers on the response "
+        "tokens, weighted by --mtp-loss-scaling-factor (Megatron's, default 0.1); logged as train/mtp_loss.",
     )
     group.add_argument("--qwen-gdn-backend", default="fla", help="Kernel backend for Qwen gated delta-net layers.")
     group.add_argument(

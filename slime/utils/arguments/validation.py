@@ -29,7 +29,7 @@ from slime.utils.engine_args import engine_api_key
 from slime.utils.eval_config import load_eval_config
 from slime.utils.fp8 import rollout_fp8_block
 from slime.utils.misc import load_function
-from slime.utils.model_families import DSA_MODEL_TYPES, megatron_refusal
+from slime.utils.model_families import DSA_MODEL_TYPES, MTP_MODEL_TYPES, megatron_refusal
 from slime.utils.moe_routing import routing_shape
 
 # One logger for the whole parser, named as before the split into modules (log lines show the name).
@@ -464,17 +464,51 @@ def _checkpoint_config(args: argparse.Namespace) -> dict | None:
         return json.load(f)
 
 
-def _validate_model_family(args: argparse.Namespace) -> None:
-    # Megatron's flag (a pass-through without megatron.training): it would build MTP layers no step trains and no
-    # push sends, and whose forward needs labels the RL losses do not give it.
-    mtp_layers = getattr(args, "mtp_num_layers", None)
-    if args.train_backend == "megatron" and mtp_layers:
+def _validate_mtp(args: argparse.Namespace, config: dict | None) -> None:
+    # Megatron's flag: on args only when given (or registered by megatron.training's parser).
+    depth = getattr(args, "mtp_num_layers", None)
+    if not (args.enable_mtp_training or depth):
+        return
+    if args.train_backend != "megatron":
         _fail(
-            f"--mtp-num-layers {mtp_layers}: slime does not build, train or push multi-token-prediction layers yet; "
-            "drop it. The main model trains as usual, and SGLang's speculative decoding "
-            "(--sglang-speculative-algorithm NEXTN) drafts with the MTP weights of --hf-checkpoint as loaded."
+            "--enable-mtp-training trains megatron-core's multi-token-prediction layers: use --train-backend "
+            "megatron (the FSDP backend trains the transformers model, which leaves the checkpoint's MTP layers out)"
         )
+    if not args.enable_mtp_training:
+        _fail(
+            f"--mtp-num-layers {depth} builds MTP layers that only --enable-mtp-training trains: add it, or drop "
+            "--mtp-num-layers (SGLang's NEXTN speculative decoding drafts with the checkpoint's MTP weights as loaded)"
+        )
+    if not depth:
+        _fail("--enable-mtp-training needs --mtp-num-layers N: how many of the checkpoint's MTP layers to train")
+    unsupported = {
+        "--pipeline-model-parallel-size": getattr(args, "pipeline_model_parallel_size", 1) or 1,
+        "--context-parallel-size": getattr(args, "context_parallel_size", 1) or 1,
+    }
+    for flag, size in unsupported.items():
+        if size > 1:
+            _fail(f"--enable-mtp-training with {flag} {size} is not supported yet; use {flag} 1")
+    if args.lora_rank:
+        _fail("--enable-mtp-training with --lora-rank is not supported: the MTP layers would train in full")
+    if config is None:
+        return
+    model_type = str(config.get("model_type"))
+    if model_type not in MTP_MODEL_TYPES:
+        _fail(
+            f"--enable-mtp-training: --hf-checkpoint {args.hf_checkpoint} is a {model_type} model; slime maps the "
+            f"MTP layers of {', '.join(MTP_MODEL_TYPES)} checkpoints only"
+        )
+    in_checkpoint = int(config.get("num_nextn_predict_layers") or 0)
+    if depth > in_checkpoint:
+        _fail(
+            f"--mtp-num-layers {depth}: --hf-checkpoint {args.hf_checkpoint} has {in_checkpoint} MTP layer(s) "
+            f"(num_nextn_predict_layers in its config.json); use --mtp-num-layers {in_checkpoint or 'with a checkpoint that has them'}"
+        )
+
+
+def _validate_model_family(args: argparse.Namespace) -> None:
     config = _checkpoint_config(args)
+    _validate_mtp(args, config)
     if config is None:
         return
     model_type = str(config.get("model_type"))
