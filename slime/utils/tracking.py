@@ -46,6 +46,7 @@ STEP_LINE_FIELDS = (
     ("train/kl_loss", "kl", ""),
     ("train/ppo_kl", "ppo_kl", ""),
     ("train/loss", "loss", ""),
+    ("train/mtp_loss", "mtp_loss", ""),
     ("train/grad_norm", "grad_norm", ""),
     ("rollout/response_length", "resp_len", ""),
     ("rollout/truncated", "truncated", ""),
