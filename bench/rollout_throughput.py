@@ -3,8 +3,9 @@
     python bench/rollout_throughput.py --model models/SmolLM2-135M-Instruct
 
 Both sides decode the same 32 chat prompts for exactly 64 new tokens (EOS ignored) at
-temperature 1 with the same thread count, one after the other. Prints tokens/s of each and
-the ratio engine / generate (the target is >= 0.9: the HTTP path should cost little).
+temperature 1 with the same thread count, one after the other. Prints tokens/s of each, the ratio
+engine / generate (the target is >= 0.9: the HTTP path should cost little), and the engine's share of the
+compute floor (2 FLOPs per parameter per token at the cores' FP32 peak).
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from argparse import Namespace
 
 import aiohttp
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from slime.backends.sglang_utils.engine_actor import RolloutEngine
 from slime.backends.sglang_utils.router import add_worker, start_router, wait_for_workers
+from slime.utils.arguments import default_args
+from slime.utils.perf import cpu_peak_tflops
 
 
 def make_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -65,15 +67,11 @@ async def _send_all(url: str, prompts: list[list[int]], new_tokens: int) -> int:
 
 def bench_engine(model_path: str, prompts: list[list[int]], new_tokens: int, threads: int) -> float:
     """Tokens/s of the same prompts sent concurrently through sglang-router to one CPU engine."""
-    args = Namespace(
+    args = default_args(
         hf_checkpoint=model_path,
         cpu_engine_num_threads=threads,
         cpu_engine_max_running_requests=len(prompts),
-        sglang_router_ip=None,
-        sglang_router_port=None,
         sglang_router_request_timeout_secs=3600,
-        router_args={},
-        sglang_server_args={},
     )
     router = start_router(args)
     engine = RolloutEngine(args, rank=0, backend="cpu")
@@ -108,6 +106,15 @@ def main() -> None:
     print(f"router + cpu engine : {engine_tps:8.1f} tok/s")
     print(f"model.generate      : {generate_tps:8.1f} tok/s")
     print(f"ratio engine/generate: {engine_tps / generate_tps:.2f}")
+    # The compute floor: 2 FLOPs per parameter per token at the cores' FP32 peak (slime.utils.perf).
+    config = AutoConfig.from_pretrained(args.model)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    floor = cpu_peak_tflops(args.threads) * 1e12 / (2 * params)
+    print(
+        f"compute floor      : {floor:8.1f} tok/s ({params / 1e6:.1f}M parameters, {cpu_peak_tflops(args.threads) * 1e3:.0f} GFLOP/s peak)"
+    )
+    print(f"engine / floor     : {engine_tps / floor:8.1%}")
 
 
 if __name__ == "__main__":

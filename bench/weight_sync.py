@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import torch
@@ -50,6 +49,7 @@ from slime.backends.fsdp_utils import lora
 from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.weight_sync import WeightUpdater, choose_transport, engine_prompt_log_probs
 from slime.utils import weight_delta
+from slime.utils.arguments import default_args
 from slime.utils.http_utils import find_free_port, wait_until_healthy
 from slime.utils.lora import POLICY_ADAPTER
 from slime.utils.weight_sync import bucket_named_tensors, probe_tokens
@@ -188,7 +188,7 @@ def main() -> None:
     try:
         for transport in args.transports:
             with tempfile.TemporaryDirectory(prefix="weight_sync_bench_", dir=args.disk_dir) as disk_dir:
-                options = Namespace(
+                options = default_args(
                     colocate=transport in ("tensor", "adapter"),
                     rollout_num_gpus_per_engine=1,
                     rollout_backend="cpu",

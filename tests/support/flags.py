@@ -9,12 +9,12 @@ from argparse import Namespace
 
 @functools.cache
 def _defaults() -> dict:
-    from slime.utils.arguments import build_parser
+    from slime.utils.arguments import default_args
 
-    return vars(build_parser("fsdp").parse_args([])) | {"sglang_server_args": {}, "router_args": {}}
+    return vars(default_args())
 
 
 def slime_flags(**changed) -> Namespace:
     """A namespace with every slime flag at the default `parse_args` gives it (no `--sglang-*` / `--router-*` flags
-    given), and `changed` on top."""
+    given), and `changed` on top (`slime.utils.arguments.default_args`, built once per process)."""
     return Namespace(**(_defaults() | changed))

@@ -14,6 +14,7 @@ from slime.utils.perf import (
     ModelShape,
     PhaseTimer,
     cpu_peak_tflops,
+    cpuinfo_peak_tflops,
     device_peak_tflops,
     forward_flops,
     process_tree_peak_memory_gb,
@@ -57,6 +58,14 @@ def test_peaks_default_per_device_and_take_the_flag():
         assert device_peak_tflops() == cpu_peak_tflops(torch.get_num_threads())
     assert cpu_peak_tflops(2) == pytest.approx(2 * cpu_peak_tflops(1))
     assert 1e-3 < cpu_peak_tflops(1) < 10  # one core: gigaFLOPs to a few TFLOPs
+
+
+def test_cpuinfo_peak_reads_the_clock_and_the_vector_width_in_linux_order():
+    # /proc/cpuinfo lists `cpu MHz` before `flags`; a reader that stops at the clock misses AVX-512 (4x too low).
+    avx512 = "processor\t: 0\ncpu MHz\t\t: 2600.000\nflags\t\t: fpu sse2 avx2 fma avx512f\n\nprocessor\t: 1\n"
+    assert cpuinfo_peak_tflops(avx512, 1) == pytest.approx(2.6e9 * 2 * 2 * 16 / 1e12)  # 0.1664
+    assert cpuinfo_peak_tflops("flags : sse2 avx2 fma\ncpu MHz : 3000", 2) == pytest.approx(2 * 3e9 * 2 * 2 * 8 / 1e12)
+    assert cpuinfo_peak_tflops("flags : sse2", 1) == pytest.approx(2e9 * 2 * 2 * 4 / 1e12)  # no clock: 2 GHz
 
 
 def test_process_tree_peak_memory_counts_children():

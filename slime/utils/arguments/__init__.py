@@ -59,7 +59,7 @@ from slime.utils.arguments.megatron import (
     add_fsdp_megatron_arguments,
     add_megatron_subset_arguments,
 )
-from slime.utils.arguments.parser import add_slime_arguments, build_parser
+from slime.utils.arguments.parser import add_slime_arguments, build_parser, default_args
 from slime.utils.arguments.parsing import parse_args
 from slime.utils.arguments.refused import PARSE_TIME_FLAGS, REFUSED_FLAGS
 from slime.utils.arguments.validation import validate_args
@@ -79,6 +79,7 @@ __all__ = [
     "add_megatron_subset_arguments",
     "add_slime_arguments",
     "build_parser",
+    "default_args",
     "parse_args",
     "validate_args",
     # private helpers that slime.backends.megatron_utils.standalone and the parser tests reach for

@@ -86,3 +86,11 @@ def build_parser(train_backend: str, megatron_subset: bool = True) -> argparse.A
     if train_backend == "fsdp":
         add_fsdp_megatron_arguments(parser)
     return parser
+
+
+def default_args(**changed) -> argparse.Namespace:
+    """A namespace with every slime flag at the default the parser gives it under `--train-backend fsdp` (no
+    `--sglang-*` / `--router-*` flag given, so `sglang_server_args` and `router_args` are empty), with `changed` on
+    top; unvalidated. For code that drives one component outside a run (the benches, tests)."""
+    defaults = vars(build_parser("fsdp").parse_args([]))
+    return argparse.Namespace(**(defaults | {"sglang_server_args": {}, "router_args": {}} | changed))
