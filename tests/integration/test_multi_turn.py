@@ -265,17 +265,14 @@ def test_qwen3_without_thinking_masks_earlier_turns_after_their_shorter_header(t
 # Reasoning in the first turn, a tool call with its arguments, a tool result, a second query, a last turn with
 # reasoning_content: the layout upstream's qwen3_5 mask type was written for.
 QWEN35_CONVERSATION = [
-    {"role": "system", "content": "S"},
-    {"role": "user", "content": "What is 12 + 34?"},
+    *QWEN3_CONVERSATION[:2],
     {
         "role": "assistant",
         "content": "<think>\nadd them\n</think>\n\nLet me check.",
         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 34}}}],
     },
     {"role": "tool", "content": "46"},
-    {"role": "assistant", "content": "The answer is 46."},
-    {"role": "user", "content": "and 1 + 2?"},
-    {"role": "assistant", "content": "3", "reasoning_content": "small"},
+    *QWEN3_CONVERSATION[5:],
 ]
 ADD_CALL = "<tool_call>\n<function=add>\n<parameter=a>\n12\n</parameter>\n<parameter=b>\n34\n</parameter>\n</function>\n</tool_call>"
 TOOL_46 = "<|im_start|>user\n<tool_response>\n46\n</tool_response><|im_end|>\n"
@@ -288,19 +285,15 @@ def test_qwen3_5_masks_what_the_model_wrote_after_its_opened_think_block(tokeniz
     )
     # Whole conversation: the turns before the second query show only their answer (the <think> block the prompt
     # opened is gone with their reasoning); the last turn was written after "<think>\n".
-    check_mask(
-        qwen35,
-        QWEN35_CONVERSATION,
-        [
-            (SYSTEM_USER, 0),
-            (f"Let me check.\n\n{ADD_CALL}<|im_end|>\n", 1),
-            (TOOL_46 + "<|im_start|>assistant\n", 0),
-            ("The answer is 46.<|im_end|>\n", 1),
-            (QUERY2 + "<think>\n", 0),
-            ("small\n</think>\n\n3<|im_end|>\n", 1),
-        ],
-        mask_type="qwen3_5",
-    )
+    # The turns before the second query, as the whole conversation shows them with thinking on or off.
+    history = [
+        (SYSTEM_USER, 0),
+        (f"Let me check.\n\n{ADD_CALL}<|im_end|>\n", 1),
+        (TOOL_46 + "<|im_start|>assistant\n", 0),
+        ("The answer is 46.<|im_end|>\n", 1),
+    ]
+    last_turn = [(QUERY2 + "<think>\n", 0), ("small\n</think>\n\n3<|im_end|>\n", 1)]
+    check_mask(qwen35, QWEN35_CONVERSATION, history + last_turn, mask_type="qwen3_5")
     # Up to the tool loop's answer: both turns follow the last query, so each keeps its block and what the model
     # wrote after "<think>\n" (an empty block for the answer: the model closed it at once).
     check_mask(
@@ -317,20 +310,8 @@ def test_qwen3_5_masks_what_the_model_wrote_after_its_opened_think_block(tokeniz
     # Thinking off: the prompt closes an empty block, which earlier turns drop.
     messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in QWEN35_CONVERSATION]
     messages[2]["content"] = "Let me check."
-    check_mask(
-        qwen35,
-        messages,
-        [
-            (SYSTEM_USER, 0),
-            (f"Let me check.\n\n{ADD_CALL}<|im_end|>\n", 1),
-            (TOOL_46 + "<|im_start|>assistant\n", 0),
-            ("The answer is 46.<|im_end|>\n", 1),
-            (QUERY2 + "<think>\n\n</think>\n\n", 0),
-            ("3<|im_end|>\n", 1),
-        ],
-        mask_type="qwen3_5",
-        enable_thinking=False,
-    )
+    last_turn = [(QUERY2 + "<think>\n\n</think>\n\n", 0), ("3<|im_end|>\n", 1)]
+    check_mask(qwen35, messages, history + last_turn, mask_type="qwen3_5", enable_thinking=False)
 
 
 @pytest.mark.reliability(
