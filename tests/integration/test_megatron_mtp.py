@@ -169,15 +169,19 @@ def test_mtp_loss_and_gradients_equal_the_hand_computation(runs):
     )
 
 
-def _actor_worker(rank: int, world_size: int, path: str, export: str, rollout: dict, flags: tuple) -> dict:
+def _actor_worker(rank: int, world_size: int, path: str, out: str, rollout: dict, flags: tuple) -> dict:
     from slime.ray.rollout import split_train_data_by_dp
 
-    args = make_args(path, *flags, "--micro-batch-size", "8")
+    args = make_args(path, *flags, "--micro-batch-size", "8", "--save", f"{out}/checkpoint")
     data = split_train_data_by_dp(args, {k: v for k, v in rollout.items() if isinstance(v, list)}, 1)[0]
     actor, _ = new_megatron_actor(rank, world_size, args)
     metrics = actor.train(0, data)
     pushed = sorted(actor.hf_weights())
-    actor._save_hf(export)
+    actor._save_hf(f"{out}/hf")
+    actor.save_model(0)
+    # A resumed run starts from the checkpoint's MTP layer, not the HF one.
+    resumed, _ = new_megatron_actor(rank, world_size, make_args(path, *flags, "--load", f"{out}/checkpoint"))
+    resumed._save_hf(f"{out}/resumed_hf")
     return {"metrics": metrics, "pushed": pushed}
 
 
@@ -186,21 +190,30 @@ def actor_run(tmp_path_factory):
     path, full = build_glm4_moe_with_mtp(tmp_path_factory.mktemp("glm4_moe_mtp_actor"))
     rollout = make_rollout(num_samples=8, seed=6)
     rollout["loss_masks"][3][1] = 0
-    export = tmp_path_factory.mktemp("export") / "hf"
+    out = tmp_path_factory.mktemp("actor_out")
     flags = ("--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", str(SCALE))
-    (result,) = run_in_processes(_actor_worker, world_size=1, args=(str(path), str(export), rollout, flags))
-    return result, reference(path, full, rollout)[1], load_file(str(path / "model.safetensors")), export
+    (result,) = run_in_processes(_actor_worker, world_size=1, args=(str(path), str(out), rollout, flags))
+    return result, reference(path, full, rollout)[1], load_file(str(path / "model.safetensors")), out
+
+
+def hf_folder(folder: Path) -> dict[str, torch.Tensor]:
+    weights = {}
+    for file in folder.glob("*.safetensors"):
+        weights.update(load_file(str(file)))
+    return weights
 
 
 def test_the_actor_trains_the_mtp_layer_logs_its_loss_and_exports_it(actor_run):
-    result, loss, loaded, export = actor_run
+    result, loss, loaded, out = actor_run
     metrics = result["metrics"]
     assert abs(metrics["train/mtp_loss"] - loss.item()) <= 1e-5, (metrics["train/mtp_loss"], loss.item())
     assert metrics["train/ppo_kl"] == 0.0  # the main model's log-probs are unchanged by the MTP block
     # The CPU engine has no draft model: pushes leave the MTP layer out; the HF export keeps it, trained.
     assert result["pushed"] and not any(name.startswith(MTP) for name in result["pushed"])
-    exported = {}
-    for file in export.glob("*.safetensors"):
-        exported.update(load_file(str(file)))
+    exported = hf_folder(out / "hf")
     assert {name for name in loaded if name.startswith(MTP)} <= set(exported)
     assert not torch.equal(exported[f"{MTP}eh_proj.weight"], loaded[f"{MTP}eh_proj.weight"])
+    # --save keeps the trained MTP layer: --load resumes from it, bit for bit.
+    resumed = hf_folder(out / "resumed_hf")
+    assert resumed.keys() == exported.keys()
+    assert all(torch.equal(resumed[name], exported[name]) for name in exported)

@@ -315,7 +315,7 @@ def test_megatron_subset_parses_under_fsdp():
 
 @pytest.mark.reliability(
     "--enable-mtp-training or --mtp-num-layers where MTP cannot train (FSDP, one without the other, pipeline or "
-    "context parallelism, LoRA, a checkpoint with fewer MTP layers or a family without them)",
+    "context parallelism, LoRA, routing replay, a checkpoint with fewer MTP layers or a family without them)",
     "refused at parse time, naming the flag, the checkpoint's num_nextn_predict_layers and the fix",
 )
 def test_mtp_training_is_refused_where_it_cannot_train(tmp_path):
@@ -335,6 +335,8 @@ def test_mtp_training_is_refused_where_it_cannot_train(tmp_path):
         + ["--enable-mtp-training", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
         r"has 1 MTP layer\(s\) \(num_nextn_predict_layers": megatron + glm
         + ["--enable-mtp-training", "--mtp-num-layers", "2"],
+        "with --use-rollout-routing-replay is not supported": megatron + glm
+        + ["--enable-mtp-training", "--mtp-num-layers", "1", "--use-rollout-routing-replay"],
         "is a llama model; slime maps the MTP layers of deepseek_v3": megatron + checkpoint("llama", 0)
         + ["--enable-mtp-training", "--mtp-num-layers", "1"],
     }  # fmt: skip

@@ -490,6 +490,11 @@ def _validate_mtp(args: argparse.Namespace, config: dict | None) -> None:
             _fail(f"--enable-mtp-training with {flag} {size} is not supported yet; use {flag} 1")
     if args.lora_rank:
         _fail("--enable-mtp-training with --lora-rank is not supported: the MTP layers would train in full")
+    if args.use_rollout_routing_replay:
+        _fail(
+            "--enable-mtp-training with --use-rollout-routing-replay is not supported: the engines report the "
+            "experts of the main layers only, and the MTP layer's router would have none to replay"
+        )
     if config is None:
         return
     model_type = str(config.get("model_type"))
