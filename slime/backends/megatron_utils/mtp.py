@@ -6,8 +6,8 @@ output layer computes: its first D calls are the MTP depths' logits, its last on
 reach the gradients through megatron-core's `MTPLossAutoScaler`, scaled by `--mtp-loss-scaling-factor / D`; the
 schedule divides them by the number of micro-batches, as it divides the main loss.
 
-Depth k (1-based) predicts, from position p, the token at p + k + 1. It trains on the positions whose main
-prediction is a trained response token (loss mask 1) and whose k-th next one is too, inside the same sample.
+Depth k (1-based) predicts, from position p, the token at p + k + 1. It trains where that token is a response
+token with loss mask 1 and p lies in the same sample.
 """
 
 from __future__ import annotations
