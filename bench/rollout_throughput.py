@@ -110,10 +110,9 @@ def main() -> None:
     config = AutoConfig.from_pretrained(args.model)
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    floor = cpu_peak_tflops(args.threads) * 1e12 / (2 * params)
-    print(
-        f"compute floor      : {floor:8.1f} tok/s ({params / 1e6:.1f}M parameters, {cpu_peak_tflops(args.threads) * 1e3:.0f} GFLOP/s peak)"
-    )
+    peak = cpu_peak_tflops(args.threads) * 1e12
+    floor = peak / (2 * params)
+    print(f"compute floor      : {floor:8.1f} tok/s ({params / 1e6:.1f}M parameters, {peak / 1e9:.0f} GFLOP/s peak)")
     print(f"engine / floor     : {engine_tps / floor:8.1%}")
 
 

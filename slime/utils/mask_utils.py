@@ -73,7 +73,7 @@ def _longest_suffix_prefix(text: str, following: str) -> int:
     return 0
 
 
-def _dropped_reasoning_block(full: str, header: int, generation_prompt: str, written: str):
+def _dropped_reasoning_block(full: str, header: int, generation_prompt: str, written: str) -> tuple[int, int] | None:
     """(start, end) in `full` of a turn that kept a head of the generation prompt and a tail of what the model
     wrote, when what it dropped between them is exactly one `<think>...</think>` block; None otherwise. Of the
     places the prompt may be cut, the latest wins: what the prompt wrote is context, not the model's."""

@@ -77,7 +77,16 @@ def output_layer_calls(gpt_model: torch.nn.Module, vocab_size: int) -> Iterator[
         handle.remove()
 
 
-def forward_with_mtp(chunk, gpt_model, input_ids, position_ids, attention_mask, loss_mask, vocab_size, **kwargs):
+def forward_with_mtp(
+    chunk: torch.nn.Module,
+    gpt_model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    vocab_size: int,
+    **kwargs,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Run `chunk` (the wrapped `gpt_model`) with next-token labels so its MTP block runs and adds its losses.
 
     Args:

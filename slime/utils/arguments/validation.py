@@ -482,8 +482,8 @@ def _validate_mtp(args: argparse.Namespace, config: dict | None) -> None:
     if not depth:
         _fail("--enable-mtp-training needs --mtp-num-layers N: how many of the checkpoint's MTP layers to train")
     unsupported = {
-        "--pipeline-model-parallel-size": getattr(args, "pipeline_model_parallel_size", 1) or 1,
-        "--context-parallel-size": getattr(args, "context_parallel_size", 1) or 1,
+        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+        "--context-parallel-size": args.context_parallel_size,
     }
     for flag, size in unsupported.items():
         if size > 1:
@@ -505,9 +505,10 @@ def _validate_mtp(args: argparse.Namespace, config: dict | None) -> None:
         )
     in_checkpoint = int(config.get("num_nextn_predict_layers") or 0)
     if depth > in_checkpoint:
+        fix = f"use --mtp-num-layers {in_checkpoint}" if in_checkpoint else "use a checkpoint that has MTP layers"
         _fail(
             f"--mtp-num-layers {depth}: --hf-checkpoint {args.hf_checkpoint} has {in_checkpoint} MTP layer(s) "
-            f"(num_nextn_predict_layers in its config.json); use --mtp-num-layers {in_checkpoint or 'with a checkpoint that has them'}"
+            f"(num_nextn_predict_layers in its config.json); {fix}"
         )
 
 
