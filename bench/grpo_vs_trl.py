@@ -129,6 +129,8 @@ def bench_slime(
         raise SystemExit(f"slime run failed with exit code {code}")
     history = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
     step_times = [h["perf/step_time"] for h in history if "perf/step_time" in h]
+    gaps = [h["train/train_rollout_logprob_abs_diff"] for h in history if "train/train_rollout_logprob_abs_diff" in h]
+    print(f"slime {' '.join(extra)}: mean |train - rollout| log-prob {sum(gaps) / max(len(gaps), 1):.2e}", flush=True)
     return mean_after_first(step_times), peak
 
 
@@ -193,22 +195,32 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-gpu", type=int, default=512, help="slime's micro-batch token budget")
     parser.add_argument("--lora", type=int, default=0, metavar="R", help="train rank-R LoRA adapters on both sides")
     parser.add_argument(
-        "--slime-flags", default="", help="more train.py flags for slime's run, e.g. '--gradient-checkpointing'"
+        "--slime-flags",
+        action="append",
+        default=[],
+        help="more train.py flags for slime's run, e.g. '--gradient-checkpointing'; given again, slime runs again "
+        "with those flags instead (one row each, the first is compared with TRL)",
     )
     args = parser.parse_args()
     model = str(Path(args.model).resolve())
     data = Path(args.data).resolve()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        extra = tuple(args.slime_flags.split())
-        rows["slime"] = bench_slime(model, data, args.steps, Path(tmp), args.max_tokens_per_gpu, args.lora, extra)
+        for i, flags in enumerate(args.slime_flags or [""]):
+            name = "slime" if i == 0 else f"slime {flags}"
+            workdir = Path(tmp) / str(i)
+            workdir.mkdir()
+            rows[name] = bench_slime(
+                model, data, args.steps, workdir, args.max_tokens_per_gpu, args.lora, tuple(flags.split())
+            )
         rows["TRL"] = bench_trl(model, data, args.steps, Path(tmp), args.lora)
         if args.lora:
             rows["TRL full"] = bench_trl(model, data, args.steps, Path(tmp))
     title = f"   (LoRA rank {args.lora})" if args.lora else ""
-    print(f"{'':10} {'s/step':>8} {'peak RSS GiB':>13} {'peak PSS GiB':>13}{title}")
+    width = max(10, *(len(name) for name in rows))
+    print(f"{'':{width}} {'s/step':>8} {'peak RSS GiB':>13} {'peak PSS GiB':>13}{title}")
     for name, (step, peak) in rows.items():
-        print(f"{name:10} {step:8.1f} {peak.rss:13.2f} {peak.pss:13.2f}")
+        print(f"{name:{width}} {step:8.1f} {peak.rss:13.2f} {peak.pss:13.2f}")
     (slime_step, slime_peak), (trl_step, trl_peak) = rows["slime"], rows["TRL"]
     print(
         f"speed ratio slime/TRL (steps/s): {trl_step / slime_step:.2f}x   memory ratio slime/TRL: "

@@ -1,11 +1,12 @@
 """Rollout throughput: router + CPU engine vs plain batched `model.generate` in one process.
 
-    python bench/rollout_throughput.py --model models/SmolLM2-135M-Instruct
+    python bench/rollout_throughput.py --model models/SmolLM2-135M-Instruct [--dtype bfloat16]
 
 Both sides decode the same 32 chat prompts for exactly 64 new tokens (EOS ignored) at
-temperature 1 with the same thread count, one after the other. Prints tokens/s of each, the ratio
+temperature 1 with the same thread count and parameter dtype, one after the other. Prints tokens/s of each, the ratio
 engine / generate (the target is >= 0.9: the HTTP path should cost little), and the engine's share of the
-compute floor (2 FLOPs per parameter per token at the cores' FP32 peak).
+compute floor (2 FLOPs per parameter per token at the cores' FP32 peak; a bfloat16 run is measured against the same
+FP32 floor, so its share says how much faster than that floor the CPU's bf16 units make decoding).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def bench_generate(model_path: str, prompts: list[list[int]], new_tokens: int, threads: int) -> float:
+def bench_generate(model_path: str, prompts: list[list[int]], new_tokens: int, threads: int, dtype: str) -> float:
     """Tokens/s of one left-padded batched `generate` call (after a warm-up call)."""
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
     kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=tokenizer.pad_token_id)
 
@@ -65,13 +66,14 @@ async def _send_all(url: str, prompts: list[list[int]], new_tokens: int) -> int:
         return sum(await asyncio.gather(*(one(ids) for ids in prompts)))
 
 
-def bench_engine(model_path: str, prompts: list[list[int]], new_tokens: int, threads: int) -> float:
+def bench_engine(model_path: str, prompts: list[list[int]], new_tokens: int, threads: int, dtype: str) -> float:
     """Tokens/s of the same prompts sent concurrently through sglang-router to one CPU engine."""
     args = default_args(
         hf_checkpoint=model_path,
         cpu_engine_num_threads=threads,
         cpu_engine_max_running_requests=len(prompts),
         sglang_router_request_timeout_secs=3600,
+        sglang_server_args={"dtype": dtype},
     )
     router = start_router(args)
     engine = RolloutEngine(args, rank=0, backend="cpu")
@@ -96,13 +98,14 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = make_prompts(tokenizer, args.num_prompts)
-    engine_tps = bench_engine(args.model, prompts, args.new_tokens, args.threads)
-    generate_tps = bench_generate(args.model, prompts, args.new_tokens, args.threads)
-    print(f"{args.num_prompts} prompts x {args.new_tokens} new tokens, {args.threads} thread(s)")
+    engine_tps = bench_engine(args.model, prompts, args.new_tokens, args.threads, args.dtype)
+    generate_tps = bench_generate(args.model, prompts, args.new_tokens, args.threads, args.dtype)
+    print(f"{args.num_prompts} prompts x {args.new_tokens} new tokens, {args.threads} thread(s), {args.dtype}")
     print(f"router + cpu engine : {engine_tps:8.1f} tok/s")
     print(f"model.generate      : {generate_tps:8.1f} tok/s")
     print(f"ratio engine/generate: {engine_tps / generate_tps:.2f}")

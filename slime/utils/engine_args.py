@@ -34,6 +34,32 @@ def engine_context_length(args: argparse.Namespace) -> int:
     return _config_context_length(args.hf_checkpoint, args.trust_remote_code)
 
 
+# SGLang's --dtype spellings -> the CPU engine's. "auto" (SGLang: the checkpoint's dtype) keeps the CPU engine's
+# float32: the trainer computes in float32 on CPU, and an engine in another precision samples from other log-probs.
+_CPU_ENGINE_DTYPES = {"auto": None, "float32": None, "float": None, "bfloat16": "bfloat16", "float16": "float16",
+                      "half": "float16"}  # fmt: skip
+
+
+def cpu_engine_dtype(args: argparse.Namespace) -> str | None:
+    """The CPU engine's parameter dtype for `--sglang-dtype`: "bfloat16", "float16", or None for its float32.
+
+    bfloat16 runs the engine's matmuls on the CPU's bf16 units where it has them (AMX, AVX512-BF16): about 3x the
+    float32 matmul rate there (bench/rollout_throughput.py --dtype bfloat16), at a log-prob gap to the float32
+    trainer that `train/train_rollout_logprob_abs_diff` reports.
+
+    Raises:
+        ValueError: a dtype the CPU engine does not run, naming it and the choices.
+    """
+    dtype = args.sglang_server_args.get("dtype")
+    if dtype is None:
+        return None
+    if dtype not in _CPU_ENGINE_DTYPES:
+        raise ValueError(
+            f"--sglang-dtype {dtype}: the CPU engine runs {', '.join(_CPU_ENGINE_DTYPES)}; use one or drop the flag"
+        )
+    return _CPU_ENGINE_DTYPES[dtype]
+
+
 def context_limit(args: argparse.Namespace, evaluation: bool = False) -> int:
     """Most prompt + response tokens one request may reach: `--rollout-max-context-len` (`--eval-max-context-len`
     in eval), never more than the engine holds."""

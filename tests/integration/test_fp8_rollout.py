@@ -126,3 +126,31 @@ def test_fp8_rollout_gap_against_the_trainer(model_128, one_rank_group):
     print(f"\nengine-vs-trainer probe log-prob gap: fp32 {fp32_gap:.3g}, fp8 {fp8_gap:.3g} (bound {bound:.3g})")
     assert fp32_gap <= 1e-4
     assert 0 < fp8_gap <= bound + 1e-4
+
+
+def test_bf16_engine_computes_as_hf_does_in_bf16_on_the_pushed_weights(model_128, one_rank_group):
+    """`--sglang-dtype bfloat16` (the engine's `--dtype bfloat16`): a push of the float32 trainer's weights lands
+    rounded to bfloat16, and the engine's log-probs are those of HF's model run in bfloat16 on them."""
+    base = AutoModelForCausalLM.from_pretrained(model_128, dtype=torch.float32).state_dict()
+    generator = torch.Generator().manual_seed(1)
+    trainer = {name: t + 0.05 * t.std() * torch.randn(t.shape, generator=generator) for name, t in base.items()}
+    trainer_z = logits(model_128, trainer)
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(model_128, dtype=torch.bfloat16).eval()
+    hf_bf16.load_state_dict(trainer)  # rounds each tensor to bfloat16
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine's thread count: a bf16 matmul's rounding can depend on it
+    try:
+        with torch.no_grad():
+            bf16_z = hf_bf16(input_ids=torch.tensor([PROBE])).logits[0, :-1].float()
+    finally:
+        torch.set_num_threads(threads)
+    bound = 2 * float((bf16_z - trainer_z).abs().max())
+
+    with cpu_engine_process(model_128, "--dtype", "bfloat16") as (engine, url):
+        push(trainer, model_128, [engine], [url], None)
+        own_gap = gap(engine, log_probs(bf16_z))
+        bf16_gap = gap(engine, log_probs(trainer_z))
+
+    print(f"\nbf16 engine: gap to HF in bf16 {own_gap:.3g}, to the fp32 trainer {bf16_gap:.3g} (bound {bound:.3g})")
+    assert own_gap <= 1e-4
+    assert 0 < bf16_gap <= bound + 1e-4

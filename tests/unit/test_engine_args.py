@@ -3,11 +3,13 @@ the default rollout, the multi-turn helpers, the agent rollout and the engine la
 
 import json
 
+import pytest
 from support.flags import slime_flags
 
 from slime.agent import multi_turn
 from slime.backends.sglang_utils import engine_command_line
 from slime.rollout import sglang_rollout
+from slime.utils.arguments import ArgumentValidationError, parse_args
 from slime.utils.engine_args import context_limit, engine_api_key, engine_context_length, engine_failover_window
 
 
@@ -59,3 +61,25 @@ def test_api_key_comes_from_the_sglang_flags_or_the_slime_flag():
 def test_the_old_import_paths_name_the_same_functions():
     assert engine_command_line.engine_api_key is sglang_rollout.engine_api_key is engine_api_key
     assert sglang_rollout.context_limit is multi_turn.context_limit is context_limit
+
+
+def test_sglang_dtype_sets_the_cpu_engines_dtype_and_refuses_what_rounding_breaks():
+    from slime.backends.cpu_engine.server import parse_args as engine_parse_args
+
+    def engine_dtype(sglang_dtype: str | None) -> str:
+        flags = {"sglang_server_args": {"dtype": sglang_dtype} if sglang_dtype else {}}
+        cli = engine_command_line.build_cpu_engine_args(slime_flags(**flags), model_path="/m", host="127.0.0.1", port=5)
+        return engine_parse_args(cli).dtype
+
+    spelled = {None: "float32", "auto": "float32", "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+    assert {given: engine_dtype(given) for given in spelled} == spelled
+    assert engine_dtype("half") == engine_dtype("float16") == "float16"
+
+    base = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "1", "--rollout-batch-size", "2"]
+    base += ["--n-samples-per-prompt", "2", "--rollout-backend", "cpu", "--sglang-dtype"]
+    assert parse_args([*base, "bfloat16"]).sglang_server_args == {"dtype": "bfloat16"}
+    with pytest.raises(ArgumentValidationError, match="--sglang-dtype int8: the CPU engine runs auto, float32"):
+        parse_args([*base, "int8"])
+    for extra in (["--use-fault-tolerance"], ["--check-weight-update-equal"], ["--true-on-policy-mode"]):
+        with pytest.raises(ArgumentValidationError, match=f"{extra[0]} with .*--sglang-dtype"):
+            parse_args([*base, "bfloat16", *extra])

@@ -19,6 +19,7 @@ import json
 import logging
 from typing import Any
 
+from slime.utils.engine_args import cpu_engine_dtype
 from slime.utils.engine_args import engine_api_key as engine_api_key  # importable here, as before
 from slime.utils.lora import engines_serve_adapter, lora_enabled
 
@@ -178,8 +179,9 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
         args: slime's parsed arguments; reads `cpu_engine_max_running_requests`, `cpu_engine_max_queued_requests`,
             `cpu_engine_num_threads` (torch threads of the engine process) and `trust_remote_code`. Of the `--sglang-*` flags only
             `--sglang-api-key` (which goes by the environment, `ENGINE_API_KEY_ENV`, not these arguments) and
-            `--sglang-quantization fp8` (block FP8 weights, `slime.utils.fp8`) mean something to the CPU engine;
-            the others are ignored with a warning.
+            `--sglang-quantization fp8` (block FP8 weights, `slime.utils.fp8`) and `--sglang-dtype` (the engine's
+            parameter dtype, `cpu_engine_dtype`) mean something to the CPU engine; the others are ignored with a
+            warning.
         model_path: HF checkpoint directory the engine loads.
         host: Address the HTTP server binds.
         port: HTTP port.
@@ -194,6 +196,7 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
         raise ValueError(
             f"--sglang-quantization {quantization}: the CPU engine runs only fp8; use fp8 or drop the flag"
         )
+    ignored.pop("dtype", None)
     # The one SGLang LoRA field the CPU engine takes from the user; the others follow --lora-rank.
     max_loras_per_batch = ignored.pop("max_loras_per_batch", None) if engines_serve_adapter(args) else None
     if ignored:
@@ -210,6 +213,7 @@ def build_cpu_engine_args(args: argparse.Namespace, *, model_path: str, host: st
             **_lora_serving_options(args, every_linear="all-linear"),
             "max_loras_per_batch": max_loras_per_batch,
             "quantization": quantization,
+            "dtype": cpu_engine_dtype(args),
             # --true-on-policy-mode: the trainer ranks' thread count, which a matmul's rounding depends on
             "true_on_policy_threads": args.train_num_threads if args.true_on_policy_mode else None,
         }

@@ -25,7 +25,7 @@ from slime.utils.arguments.rollout import (
     _validate_multimodal,
 )
 from slime.utils.device import cuda_available
-from slime.utils.engine_args import engine_api_key
+from slime.utils.engine_args import cpu_engine_dtype, engine_api_key
 from slime.utils.eval_config import load_eval_config
 from slime.utils.fp8 import rollout_fp8_block
 from slime.utils.misc import load_function
@@ -423,23 +423,29 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_flag_uses(args)
     _validate_agent(args)
     _validate_model_family(args)
+    _validate_rollout_precision(args)
     _validate_true_on_policy(args)
     _validate_routing_replay(args)
     _validate_fully_async(args)
     _validate_lora(args)
     _validate_multimodal(args)
-    _validate_fp8_rollout(args)
     return args
 
 
-def _validate_fp8_rollout(args: argparse.Namespace) -> None:
-    """FP8 engines (a block-FP8 --hf-checkpoint, or --sglang-quantization fp8): what compares or diffs their weights
-    against the trainer's unrounded ones cannot hold."""
+def _validate_rollout_precision(args: argparse.Namespace) -> None:
+    """Engines that hold the trainer's weights rounded (block FP8: a block-FP8 --hf-checkpoint or --sglang-quantization
+    fp8; CPU engines in bfloat16 or float16: --sglang-dtype): what compares or diffs their weights against the
+    trainer's unrounded ones cannot hold."""
     try:
         block = rollout_fp8_block(args)
+        dtype = cpu_engine_dtype(args) if args.rollout_backend == "cpu" else None
     except ValueError as error:
         _fail(str(error))
-    if block is None:
+    if block is not None:
+        engines = f"FP8 engines (block {block[0]}x{block[1]})"
+    elif dtype is not None:
+        engines = f"{dtype} CPU engines (--sglang-dtype)"
+    else:
         return
     conflicts = [
         ("--check-weight-update-equal", args.check_weight_update_equal, "its 1e-3 log-prob bound"),
@@ -449,9 +455,8 @@ def _validate_fp8_rollout(args: argparse.Namespace) -> None:
     for flag, given, check in conflicts:
         if given:
             _fail(
-                f"{flag} with FP8 engines (block {block[0]}x{block[1]}): {check} compares the engines' FP8-rounded "
-                "weights with the trainer's unrounded ones, which FP8 rounding alone fails. Drop it, or roll out in "
-                "the trainer's precision."
+                f"{flag} with {engines}: {check} compares the engines' rounded weights with the trainer's "
+                "unrounded ones, which the rounding alone fails. Drop it, or roll out in the trainer's precision."
             )
 
 
@@ -542,6 +547,7 @@ def _validate_true_on_policy(args: argparse.Namespace) -> None:
         "--lora-rank": bool(args.lora_rank),
         "--multimodal-keys": bool(args.multimodal_keys),
         "--sglang-quantization fp8": rollout_fp8_block(args) is not None,
+        "--sglang-dtype": cpu_engine_dtype(args) is not None,
     }
     given = [flag for flag, set_ in why.items() if set_]
     if given:
