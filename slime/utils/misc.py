@@ -106,6 +106,12 @@ def release_free_host_memory() -> None:
     threshold) for reuse, so a process's resident size only grows between steps unless asked.
     """
     gc.collect()
+    trim_host_heap()
+
+
+def trim_host_heap() -> None:
+    """`release_free_host_memory` without its garbage collection: a millisecond or two instead of ~50 ms, for
+    memory freed by reference counting (tensors of a finished step)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import datetime
 from argparse import Namespace
+from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from support.engines import cpu_engine_process, engine_prompt_log_probs
+from support.engines import cpu_engine_process, engine_prompt_log_probs, engine_server
 from support.tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM
 
+from slime.backends.sglang_utils.http_client import EngineClient
 from slime.backends.weight_sync import WeightUpdater, choose_transport
 from slime.utils.weight_sync import bucket_named_tensors
 
@@ -75,8 +78,15 @@ def log_probs(z: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(z, -1).gather(-1, torch.tensor(PROBE[1:]).unsqueeze(-1)).squeeze(-1)
 
 
-def push(state: dict[str, torch.Tensor], model_dir, engines: list, urls: list[str], quantization: str | None) -> None:
-    """One broadcast push of `state` in ~64 kB buckets, as a trainer rank makes it."""
+def push(
+    state: dict[str, torch.Tensor],
+    model_dir,
+    engines: list,
+    urls: list[str],
+    quantization: str | None,
+    bucket_bytes: int = 64_000,
+) -> None:
+    """One broadcast push of `state` in buckets of `bucket_bytes`, as a trainer rank makes it."""
     args = Namespace(
         colocate=False,
         rollout_num_gpus_per_engine=1,
@@ -89,7 +99,7 @@ def push(state: dict[str, torch.Tensor], model_dir, engines: list, urls: list[st
     updater.connect(choose_transport(args, torch.device("cpu")), engines, urls)
     assert updater.transport.fp8_block == ((BLOCK, BLOCK) if quantization else None)
     try:
-        updater.push(bucket_named_tensors(state.items(), 64_000))
+        updater.push(bucket_named_tensors(state.items(), bucket_bytes))
     finally:
         updater.close()
 
@@ -154,3 +164,24 @@ def test_bf16_engine_computes_as_hf_does_in_bf16_on_the_pushed_weights(model_128
     print(f"\nbf16 engine: gap to HF in bf16 {own_gap:.3g}, to the fp32 trainer {bf16_gap:.3g} (bound {bound:.3g})")
     assert own_gap <= 1e-4
     assert 0 < bf16_gap <= bound + 1e-4
+
+
+def test_pushes_and_generation_leave_no_second_copy_of_the_weights_resident(tmp_path, one_rank_group):
+    """A broadcast push receives every tensor into a buffer of its own before any parameter is written (all or
+    nothing), and decoding grows KV caches step by step: glibc keeps the pages of both once freed, and without
+    handing them back the engine held about another copy of the weights for the rest of the run."""
+    model_dir = build_tiny_model(tmp_path / "m", hidden_size=512, num_layers=8, num_heads=8)  # 65 MiB of weights
+    state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    weight_mib = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
+    params = {"max_new_tokens": 16, "ignore_eos": True}
+    prompts = [PROBE[: 4 + i % 8] for i in range(16)]
+    with engine_server(model_dir) as (process, url), ThreadPoolExecutor(16) as pool:
+        engine = EngineClient(url)
+        before = psutil.Process(process.pid).memory_info().rss / 2**20
+        for _ in range(2):
+            push(state, model_dir, [engine], [url], None, bucket_bytes=32 * 2**20)
+            done = list(pool.map(lambda ids: engine.generate({"input_ids": ids, "sampling_params": params}), prompts))
+            assert [d["meta_info"]["completion_tokens"] for d in done] == [16] * 16
+        grown = psutil.Process(process.pid).memory_info().rss / 2**20 - before
+    print(f"\nengine RSS grew {grown:.1f} MiB over 2 pushes and generations ({weight_mib:.1f} MiB of weights)")
+    assert grown < 0.5 * weight_mib
