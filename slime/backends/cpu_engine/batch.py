@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from slime.algorithms.logprobs import compute_log_probs
 from slime.backends.cpu_engine.lora import LoraStore
@@ -29,6 +30,46 @@ from slime.utils.moe_routing import HFRouters
 
 # Dropping all-padding cache columns costs a copy; only do it once this many pile up.
 _TRIM_MIN_COLUMNS = 64
+
+
+class _RoomyLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are views of buffers with spare columns: a decode step writes its
+    column into them instead of copying the whole cache into a new tensor (`torch.cat`, 17 ms of a 128 ms step for
+    32 rows of SmolLM2-135M). Values are the same; only where they live differs."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized or self.keys.numel() == 0:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.keys = _append_columns(self.keys, key_states)
+        self.values = _append_columns(self.values, value_states)
+        return self.keys, self.values
+
+
+def _append_columns(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`torch.cat([cached, new], dim=-2)` for (rows, heads, columns, dim) tensors, written into the spare columns of
+    the buffer `cached` views when it has them; otherwise into a new buffer with a quarter more room (at least 64
+    columns), so a sequence of n tokens costs O(log n) whole copies."""
+    rows, heads, columns, dim = cached.shape
+    width = columns + new.shape[-2]
+    room = cached.stride(1) // dim
+    in_place = cached.storage_offset() == 0 and cached.stride() == (heads * room * dim, room * dim, dim, 1)
+    if in_place and room >= width:
+        grown = cached.as_strided((rows, heads, width, dim), cached.stride())
+    else:
+        grown = cached.new_empty(rows, heads, width + max(64, width // 4), dim)[:, :, :width]
+        grown[:, :, :columns] = cached
+    grown[:, :, columns:] = new
+    return grown
+
+
+def _with_room(cache: DynamicCache) -> DynamicCache:
+    """`cache` with its plain key/value layers appending in place (`_RoomyLayer`); other kinds stay as they are."""
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layer.__class__ = _RoomyLayer
+    return cache
 
 
 @dataclass
@@ -107,7 +148,7 @@ def prefill(
     ids, mask = left_pad([list(r.input_ids) for r in firsts], pad_id)
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
     images = _image_inputs(firsts, positions)
-    cache = DynamicCache(config=model.config)
+    cache = _with_room(DynamicCache(config=model.config))
     # The model fills `cache` in place.
     with _adapters(lora, [r.lora_path for r in firsts]):
         out = model(
@@ -271,7 +312,7 @@ def merge(model, running: RunningBatch, joining: RunningBatch) -> RunningBatch:
     ]
     return RunningBatch(
         requests=running.requests + joining.requests,
-        cache=DynamicCache(layers, config=model.config),
+        cache=_with_room(DynamicCache(layers, config=model.config)),
         attention_mask=torch.cat(
             [_pad_columns(running.attention_mask, pad_a), _pad_columns(joining.attention_mask, pad_b)]
         ),
@@ -295,6 +336,6 @@ def keep_rows(model, batch: RunningBatch, rows: list[int]) -> RunningBatch:
     empty_columns = int(mask.any(dim=0).long().argmax()) if mask.numel() else 0
     if empty_columns >= _TRIM_MIN_COLUMNS and caches_can_merge(batch.cache):
         layers = [(k[:, :, empty_columns:], v[:, :, empty_columns:]) for k, v in _layer_tensors(batch.cache)]
-        batch.cache = DynamicCache(layers, config=model.config)
+        batch.cache = _with_room(DynamicCache(layers, config=model.config))
         batch.attention_mask = mask[:, empty_columns:]
     return batch
