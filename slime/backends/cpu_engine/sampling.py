@@ -136,19 +136,27 @@ def sample_next_tokens(
         (token ids, their log-probs), one per row.
     """
     logits = logits.float()
-    temperatures = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).unsqueeze(-1)
-    scaled = logits / temperatures
+    temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
+    scaled = logits / torch.tensor(temperatures).unsqueeze(-1) if any(t != 1.0 for t in temperatures) else logits
     log_probs = scaled.log_softmax(dim=-1)
 
-    if any(banned_token_ids):
+    banned_any = any(banned_token_ids)
+    if banned_any:
         scaled = scaled.clone()
         for row, banned in enumerate(banned_token_ids):
             if banned:
                 scaled[row, banned] = float("-inf")
-    tokens = scaled.argmax(dim=-1)
+    greedy = [row for row, p in enumerate(params) if p.greedy]
     sampled = [row for row, p in enumerate(params) if not p.greedy]
+    tokens = torch.zeros(len(params), dtype=torch.long)
+    if greedy:
+        tokens[greedy] = scaled[greedy].argmax(dim=-1)
     if sampled:
-        probs = scaled[sampled].softmax(dim=-1)
+        every_row = len(sampled) == len(params)  # no row copies to make
+        if banned_any:
+            probs = (scaled if every_row else scaled[sampled]).softmax(dim=-1)
+        else:  # softmax(scaled), one pass cheaper
+            probs = (log_probs if every_row else log_probs[sampled]).exp()
         filtered = [i for i, row in enumerate(sampled) if params[row].needs_filtering]
         if filtered:
             mask = keep_mask(
@@ -158,7 +166,7 @@ def sample_next_tokens(
                 [params[sampled[i]].min_p for i in filtered],
             )
             probs[filtered] = probs[filtered].masked_fill(~mask, 0.0)
-        cdf = probs.double().cumsum(dim=-1)
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         uniforms = torch.rand(len(sampled), dtype=torch.float64)
         for i, row in enumerate(sampled):
             if generators[row] is not None:
