@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from slime.utils.perf import (
     ModelShape,
     PhaseTimer,
+    cpu_has_bf16_matmul,
     cpu_peak_tflops,
     cpuinfo_peak_tflops,
     device_peak_tflops,
@@ -79,3 +80,10 @@ def test_process_tree_peak_memory_counts_children():
     finally:
         process.communicate("\n", timeout=30)
     assert process_tree_peak_memory_gb(process.pid) == 0.0  # gone
+
+
+def test_bf16_matmul_units_are_read_from_the_flags():
+    assert cpu_has_bf16_matmul("cpu MHz : 2600\nflags : avx512f amx_tile amx_bf16\n")
+    assert cpu_has_bf16_matmul("flags\t\t: fpu avx512_bf16 avx512f\nflags : avx2")
+    assert not cpu_has_bf16_matmul("flags : fpu avx2 fma\ncpu MHz : 3000")
+    assert not cpu_has_bf16_matmul("processor : 0\n")

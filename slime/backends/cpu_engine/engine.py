@@ -36,7 +36,7 @@ from slime.backends.cpu_engine.lora import LoraAdapter, LoraStore
 from slime.backends.cpu_engine.protocol import GenerationRequest, RequestError
 from slime.backends.cpu_engine.sampling import sample_next_tokens
 from slime.backends.cpu_engine.vision import Vision, load_vision
-from slime.utils.misc import release_free_host_memory, trim_host_heap
+from slime.utils.misc import trim_host_heap
 from slime.utils.moe_routing import HFRouters, has_topk_routers, routing_shape
 from slime.utils.processing_utils import is_vision_language
 from slime.utils.weight_transport import MappedSegments
@@ -671,7 +671,7 @@ class CpuEngine:
         buffers go back to the OS (glibc keeps them otherwise: a second copy of the weights resident for the rest
         of the run), and the version moves on. Returns the new version."""
         self._weights_source = None
-        release_free_host_memory()
+        trim_host_heap()  # the update's buffers are freed already (reference counts): no garbage collection needed
         return self._bump_version(weight_version)
 
     def _bump_version(self, explicit: str | None) -> str:

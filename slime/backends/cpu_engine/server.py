@@ -86,6 +86,7 @@ from slime.utils import fp8, weight_delta, weight_transport
 from slime.utils.engine_args import CPU_ENGINE_CONTROL_MAX_BODY_BYTES, ENGINE_API_KEY_ENV
 from slime.utils.misc import keep_freed_heap_for_reuse
 from slime.utils.openai_protocol import PARSE_OFF_LOOP_BYTES, lone_surrogate
+from slime.utils.perf import cpu_has_bf16_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +237,10 @@ def build_engine(args: ServerArgs) -> CpuEngine:
     with contextlib.suppress(RuntimeError):  # only allowed before any inter-op work started
         torch.set_num_interop_threads(1)
     dtype = weights.parse_dtype(args.dtype)
-    if dtype != torch.float32:
-        logger.warning("dtype %s: CPUs without native support run it far slower than float32", args.dtype)
+    if dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_has_bf16_matmul()):
+        logger.warning(
+            "dtype %s: this CPU has no %s matmul units and runs it far slower than float32", args.dtype, args.dtype
+        )
     engine = CpuEngine(
         args.model_path,
         dtype=dtype,
