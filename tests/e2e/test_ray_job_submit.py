@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support.ray_head import free_start_ports, stop_tree
+from support.ray_head import free_start_ports, stop_tree, with_test_interpreter
 from support.runs import REPO, rollout_rows, small_run_flags, write_addition_prompts
 
 from slime.utils.tracking import format_step_line
@@ -66,7 +66,7 @@ def head(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray_job")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "PYTHONPATH")}
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the README's commands set what they need
-    env |= {"HOME": str(root / "home"), "TMPDIR": str(root)}
+    env = with_test_interpreter(env) | {"HOME": str(root / "home"), "TMPDIR": str(root)}
     (root / "home").mkdir()
     subprocess.run(["bash", "-c", generate], env=env, cwd=REPO, check=True, timeout=60)
     assert (root / "home" / ".ray" / "auth_token").stat().st_size > 0

@@ -3,10 +3,13 @@ stop every Ray on the machine, another test worker's too)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import psutil
 
@@ -17,6 +20,25 @@ START_PORT_FLAGS = (
     "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
 )  # fmt: skip
 WORKER_PORTS = (10002, 19999)  # `ray start`'s default --min-worker-port / --max-worker-port
+
+
+@functools.cache
+def _interpreter_bin() -> Path:
+    """A folder with `python` and `ray` for the interpreter running the tests. The `ray` script on PATH may belong to
+    another Python (a venv made with --system-site-packages has none of its own), whose Ray workers would import
+    another installed slime than the one under test."""
+    folder = Path(tempfile.mkdtemp(prefix="slime-test-bin-"))
+    (folder / "python").symlink_to(sys.executable)
+    (folder / "python3").symlink_to(sys.executable)
+    ray = folder / "ray"
+    ray.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ray.scripts.scripts "$@"\n')
+    ray.chmod(0o755)
+    return folder
+
+
+def with_test_interpreter(env: dict[str, str]) -> dict[str, str]:
+    """`env` with `python` and `ray` on PATH meaning the interpreter that runs the tests."""
+    return env | {"PATH": os.pathsep.join([str(_interpreter_bin()), env.get("PATH", os.defpath)])}
 
 
 def free_start_ports() -> dict[str, int]:
@@ -39,7 +61,7 @@ def start_head(num_cpus: int, env: dict[str, str], log_path, *extra: str) -> tup
         *[str(word) for flag, port in ports.items() for word in (flag, port)], *extra,
     ]  # fmt: skip
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, env=with_test_interpreter(env), stdout=log, stderr=subprocess.STDOUT)
     return process, ports
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from slime.utils.types import Sample
-from support.ray_head import loopback_env, start_head, stop_tree
+from support.ray_head import loopback_env, start_head, stop_tree, with_test_interpreter
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -71,7 +71,8 @@ def shared_ray_node() -> dict[str, str]:
     atexit.register(stop_tree, process)
     address = f"127.0.0.1:{ports['--port']}"
     deadline = time.monotonic() + 120
-    while subprocess.run(["ray", "status", "--address", address], env=env, capture_output=True).returncode != 0:
+    status = ["ray", "status", "--address", address]
+    while subprocess.run(status, env=with_test_interpreter(env), capture_output=True).returncode != 0:
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the shared Ray node did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
