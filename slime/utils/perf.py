@@ -118,17 +118,31 @@ def forward_flops(shape: ModelShape, seq_lens: list[int], head_tokens: int | Non
     return layer_flops + 2.0 * shape.vocab_size * h * head_tokens + score_flops
 
 
+def _proc_cpuinfo() -> str:
+    """The text of /proc/cpuinfo; "" where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _first_field(cpuinfo: str, key: str) -> str | None:
+    """The value of the first `key : value` line of `cpuinfo` (the first processor's), None when there is none."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == key:
+            return value.strip()
+    return None
+
+
 def cpu_peak_tflops(num_threads: int | None = None) -> float:
     """FP32 peak of `num_threads` cores (default: torch's thread count): cores x clock x FLOPs per cycle
     (`cpuinfo_peak_tflops` of /proc/cpuinfo; AVX2 at 2 GHz where it cannot be read)."""
     import torch  # torch is imported where it is used: engine actors use this module without it
 
     threads = num_threads or torch.get_num_threads()
-    try:
-        with open("/proc/cpuinfo") as f:
-            return cpuinfo_peak_tflops(f.read(), threads)
-    except OSError:  # not Linux
-        return cpuinfo_peak_tflops("flags : avx2 fma\ncpu MHz : 2000", threads)
+    return cpuinfo_peak_tflops(_proc_cpuinfo() or "flags : avx2 fma\ncpu MHz : 2000", threads)
 
 
 def cpuinfo_peak_tflops(cpuinfo: str, threads: int) -> float:
@@ -139,34 +153,17 @@ def cpuinfo_peak_tflops(cpuinfo: str, threads: int) -> float:
     `cpu MHz` before `flags`). On a 2.6 GHz AVX-512 core this is 166 GFLOP/s, where torch's 2048 x 2048 float32
     matmul measured 155.
     """
-    flags: set[str] | None = None
-    mhz: float | None = None
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "flags" and flags is None:
-            flags = set(value.split())
-        elif key == "cpu MHz" and mhz is None:
-            mhz = float(value)
-        if flags is not None and mhz is not None:
-            break
-    flags = flags or set()
+    flags = set((_first_field(cpuinfo, "flags") or "").split())
+    mhz = _first_field(cpuinfo, "cpu MHz")
     lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
-    return threads * (mhz or 2000.0) * 1e6 * 2 * 2 * lanes / 1e12
+    return threads * ((float(mhz) if mhz else 0.0) or 2000.0) * 1e6 * 2 * 2 * lanes / 1e12
 
 
 def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool:
     """Whether the CPU multiplies bf16 in hardware: AMX or AVX512-BF16 among the first `flags` of `cpuinfo` (the
     text of /proc/cpuinfo, read when None; False where there is none). There a bf16 matmul runs about 3x float32's
     rate; without, torch emulates it far below float32 (0.3 GFLOP/s measured on an AVX2 core)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:  # not Linux
-            return False
-    line = next((line for line in cpuinfo.splitlines() if line.partition(":")[0].strip() == "flags"), "")
-    flags = line.partition(":")[2].split()
+    flags = (_first_field(_proc_cpuinfo() if cpuinfo is None else cpuinfo, "flags") or "").split()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
