@@ -361,8 +361,10 @@ def test_aborted_group_goes_back_with_its_partial_response_and_continues_under_n
 def test_push_aborts_requests_which_continue_as_partial_rollouts(tiny_model_dir, new_weights_dir, engine, loop_args):
     """The fully async loop: a push aborts the requests in flight, which continue at once under the new weights."""
     client, _ = engine
+    # Responses long enough that a request seen generating is still in flight when the push lands, also on a loaded
+    # machine (at 160 tokens the faster decoder could finish them all in between, under the full suite's load).
     args = loop_args(
-        "--rollout-max-response-len", "160", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
+        "--rollout-max-response-len", "400", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
         "--max-weight-staleness", "1", "--staleness-policy", "regenerate",
     )  # fmt: skip
     source = RolloutDataSourceWithBuffer(args)
