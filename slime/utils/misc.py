@@ -109,25 +109,6 @@ def release_free_host_memory() -> None:
     trim_host_heap()
 
 
-# mallopt parameters (glibc's malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def keep_freed_heap_for_reuse() -> None:
-    """Make glibc keep freed memory for the next allocation instead of handing it back to the OS at once (a no-op
-    elsewhere); `trim_host_heap` hands it back when the process chooses.
-
-    By default glibc maps a large block fresh and unmaps it when freed, and shrinks the heap when its top is freed,
-    so a loop that allocates the same large temporaries every step (a decode step's logits, the sampler's float64
-    CDF) faults their pages in again each time: the sampler's step for 32 x 49k logits took 31 ms, 13 ms without.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's largest: blocks up to 32 MiB come from the heap
-        libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
-        libc.mallopt(_M_TOP_PAD, 64 * 2**20)
-
-
 def trim_host_heap() -> None:
     """`release_free_host_memory` without its garbage collection: a millisecond or two instead of ~50 ms, for
     memory freed by reference counting (tensors of a finished step)."""

@@ -84,7 +84,6 @@ from slime.backends.cpu_engine.protocol import (
 from slime.backends.cpu_engine.sampling import SamplingParams
 from slime.utils import fp8, weight_delta, weight_transport
 from slime.utils.engine_args import CPU_ENGINE_CONTROL_MAX_BODY_BYTES, ENGINE_API_KEY_ENV
-from slime.utils.misc import keep_freed_heap_for_reuse
 from slime.utils.openai_protocol import PARSE_OFF_LOOP_BYTES, lone_surrogate
 from slime.utils.perf import cpu_has_bf16_matmul
 
@@ -1031,8 +1030,6 @@ async def unload_lora_adapter(request: web.Request) -> dict[str, str]:
 def run_server(args: ServerArgs) -> None:
     """Load the model and serve until SIGINT / SIGTERM (blocking)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Decode steps reuse their freed temporaries; the engine trims the heap when a batch drains and after updates.
-    keep_freed_heap_for_reuse()
     engine = build_engine(args)
     required = " (API key required)" if args.api_key else ""
     logger.info("serving %s on http://%s:%d%s", engine.model_path, args.host, args.port, required)
