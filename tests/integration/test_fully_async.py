@@ -241,6 +241,23 @@ def wait_for(condition, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+def hold_a_request_with_tokens(client, timeout: float = 60.0) -> None:
+    """Pause the engine in place at a moment when a request in flight has sampled tokens, so that the push which
+    follows aborts a partial response whatever the machine's speed (a request seen generating could otherwise
+    finish, or the next one still be in prefill, before the push lands)."""
+
+    def tokens_in_flight() -> int:
+        return client.get_server_info()["internal_states"][0]["num_generated_tokens_in_flight"]
+
+    deadline = time.monotonic() + timeout
+    while True:
+        wait_for(lambda: tokens_in_flight() > 0, timeout=max(deadline - time.monotonic(), 0.0))
+        client.pause_generation(mode="in_place")
+        if tokens_in_flight() > 0:
+            return
+        client.continue_generation()  # they finished in between: try again with the next ones
+
+
 def group_indices(groups: list[list[Sample]]) -> list[int]:
     return [g[0].group_index for g in groups]
 
@@ -327,7 +344,7 @@ def test_aborted_group_goes_back_with_its_partial_response_and_continues_under_n
         first = pool.submit(sglang_rollout.generate_rollout, args, 0, source)
         # Abort once a token is out, not merely once a request is admitted: a request aborted before its first
         # token goes back with an empty response and proves nothing about continuing a partial one.
-        wait_for(lambda: client.get_server_info()["internal_states"][0]["num_generated_tokens_in_flight"] > 0)
+        hold_a_request_with_tokens(client)
         push(client, new_weights_dir, 2, loop_args)
         first = first.result(timeout=120)
     # The aborted groups went back, others took their places: every group drawn is in one place, none in two.
@@ -361,18 +378,15 @@ def test_aborted_group_goes_back_with_its_partial_response_and_continues_under_n
 def test_push_aborts_requests_which_continue_as_partial_rollouts(tiny_model_dir, new_weights_dir, engine, loop_args):
     """The fully async loop: a push aborts the requests in flight, which continue at once under the new weights."""
     client, _ = engine
-    # Responses long enough that a request seen generating is still in flight when the push lands, also on a loaded
-    # machine (at 160 tokens the faster decoder could finish them all in between, under the full suite's load).
     args = loop_args(
-        "--rollout-max-response-len", "400", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
+        "--rollout-max-response-len", "160", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
         "--max-weight-staleness", "1", "--staleness-policy", "regenerate",
     )  # fmt: skip
     source = RolloutDataSourceWithBuffer(args)
     rollout = loop_args.fully_async(args, source)
     rollout(args, 0, source)
     worker = rollout.worker
-    # A request with tokens of the old weights when the push comes (under load, one may still be in prefill).
-    wait_for(lambda: client.get_server_info()["internal_states"][0]["num_generated_tokens_in_flight"] > 0)
+    hold_a_request_with_tokens(client)  # a request with tokens of the old weights when the push comes
     push(client, new_weights_dir, 2, loop_args)
     groups, aborted = [], 0.0
     for rollout_id in (1, 2):
