@@ -24,6 +24,19 @@ from support.watchdog import (  # noqa: E402, F401
 # Seconds a test may take, setup included, before it fails with its name instead of eating the CI budget.
 TIER_TIMEOUTS = {"unit": 120, "integration": 400, "e2e": 900}
 
+# The order files run in (scripts/test.sh keeps it with --no-loadscope-reorder: xdist hands each worker whole files,
+# by default the files with the most tests first). Longest first, so that the end of a run is short files on both
+# workers, not one long file on one while the other idles: the chaos run (~200 s) first, then the other e2e files,
+# then integration, then unit.
+RUN_FIRST = ("e2e/test_chaos.py",)
+TIER_ORDER = ("e2e", "integration", "unit")
+
+
+def file_rank(path: Path) -> tuple[int, int]:
+    """Where a test file runs in the suite's order: (tier, 0 for a RUN_FIRST file else 1)."""
+    relative = path.resolve().relative_to(TESTS)
+    return TIER_ORDER.index(relative.parts[0]), 0 if relative.as_posix() in RUN_FIRST else 1
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
@@ -36,6 +49,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(TIER_TIMEOUTS[tier]))
         if skip_gpu and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+    items.sort(key=lambda item: file_rank(Path(str(item.path))))  # stable: each file keeps its own order
 
 
 @pytest.fixture(scope="session")
