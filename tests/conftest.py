@@ -2,6 +2,7 @@
 and gets that tier's timeout unless it sets its own (`@pytest.mark.timeout(s)`)."""
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,18 +25,22 @@ from support.watchdog import (  # noqa: E402, F401
 # Seconds a test may take, setup included, before it fails with its name instead of eating the CI budget.
 TIER_TIMEOUTS = {"unit": 120, "integration": 400, "e2e": 900}
 
-# The order files run in (scripts/test.sh keeps it with --no-loadscope-reorder: xdist hands each worker whole files,
-# by default the files with the most tests first). Longest first, so that the end of a run is short files on both
-# workers, not one long file on one while the other idles: the chaos run (~200 s) first, then the other e2e files,
-# then integration, then unit.
+# The order files run in (scripts/test.sh keeps it with --no-loadscope-reorder: xdist hands each worker whole files).
+# The chaos run (~200 s) first, so that it overlaps the rest of the suite instead of
+# running alone at the end while the other worker idles, as it did under xdist's own order; then, as xdist orders
+# them, the files with the most tests first (many short unit tests early, the few-test e2e runs spread after them).
 RUN_FIRST = ("e2e/test_chaos.py",)
-TIER_ORDER = ("e2e", "integration", "unit")
 
 
-def file_rank(path: Path) -> tuple[int, int]:
-    """Where a test file runs in the suite's order: (tier, 0 for a RUN_FIRST file else 1)."""
-    relative = path.resolve().relative_to(TESTS)
-    return TIER_ORDER.index(relative.parts[0]), 0 if relative.as_posix() in RUN_FIRST else 1
+def order_files(items: list[pytest.Item]) -> None:
+    """Sort `items` in place by file: RUN_FIRST files, then by number of tests (most first); a file keeps its order."""
+    per_file = Counter(str(item.path) for item in items)
+
+    def rank(item: pytest.Item) -> tuple[bool, int]:
+        relative = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
+        return relative not in RUN_FIRST, -per_file[str(item.path)]
+
+    items.sort(key=rank)  # stable: ties keep the collection order, as xdist's own sort does
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(TIER_TIMEOUTS[tier]))
         if skip_gpu and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-    items.sort(key=lambda item: file_rank(Path(str(item.path))))  # stable: each file keeps its own order
+    order_files(items)
 
 
 @pytest.fixture(scope="session")
@@ -80,10 +85,9 @@ def destroy_process_group_after_module():
 def ray_cluster():
     """One local Ray cluster for the whole session (starting one costs seconds)."""
     import ray
+    from support.ray_head import connect_session_cluster
 
-    from slime.ray.placement_group import init_ray
-
-    init_ray(num_cpus=8, log_to_driver=False)
+    connect_session_cluster()
     yield
     ray.shutdown()
 

@@ -14,6 +14,7 @@ from argparse import Namespace
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from support.ray_head import connect_session_cluster
 from support.runs import run_training, small_run_flags, write_addition_prompts
 
 from slime.backends.sglang_utils.router import list_workers
@@ -48,7 +49,7 @@ def cluster():
     ray.shutdown()
     nodes.shutdown()
     if was_connected:
-        init_ray(num_cpus=8, log_to_driver=False)
+        connect_session_cluster()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+from support.ray_head import connect_session_cluster
 from support.runs import small_run_flags, write_addition_prompts
 
 from slime.ray import actor_group
@@ -30,8 +31,11 @@ def attempts_of(train_error: Exception, argv: list[str]) -> tuple[list[tuple], s
         attempts.append((args.load, args.start_rollout_id))
         raise train_error
 
+    connected = ray.is_initialized()
     with pytest.raises(SystemExit) as ended:
-        run_driver(train, argv)
+        run_driver(train, argv)  # its exit ends the Ray job it ran in
+    if connected:
+        connect_session_cluster()  # for this process's later tests on the session cluster
     return attempts, str(ended.value)
 
 

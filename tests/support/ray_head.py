@@ -85,3 +85,12 @@ def stop_tree(process: subprocess.Popen) -> None:
 def loopback_env() -> dict[str, str]:
     """This environment with Ray bound to loopback (its servers and a joining driver)."""
     return dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+
+
+def connect_session_cluster() -> None:
+    """Connect this test process to its local Ray cluster (tests/conftest.py `ray_cluster`), starting a new one when
+    a test ended it: `run_driver` shuts Ray down when its run ends, as train.py's process does, and the multi-node
+    tests swap in a cluster of their own. A fixture that already ran is not run again, so they restore it here."""
+    from slime.ray.placement_group import init_ray
+
+    init_ray(num_cpus=8, log_to_driver=False)  # a no-op while connected
