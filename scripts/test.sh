@@ -20,8 +20,8 @@ if [ "${1:-}" = "--fast" ]; then
     paths=(tests/unit tests/integration)
 fi
 # Two workers, a test file each at a time: the end-to-end runs wait on process start-up much of the time, so two
-# of them overlap well on 2 cores. Files go out in the order tests/conftest.py sorts them (longest first), not
-# xdist's most-tests-first.
+# of them overlap well on 2 cores. Files go out in the order tests/conftest.py sorts them (the chaos run first, then
+# the files with the most tests), which xdist's own sort would undo.
 python3 -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "${paths[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
