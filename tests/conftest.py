@@ -26,9 +26,9 @@ from support.watchdog import (  # noqa: E402, F401
 TIER_TIMEOUTS = {"unit": 120, "integration": 400, "e2e": 900}
 
 # The order files run in (scripts/test.sh keeps it with --no-loadscope-reorder: xdist hands each worker whole files).
-# The chaos run (~200 s) first, so that it overlaps the rest of the suite instead of
-# running alone at the end while the other worker idles, as it did under xdist's own order; then, as xdist orders
-# them, the files with the most tests first (many short unit tests early, the few-test e2e runs spread after them).
+# The chaos run (~200 s) first, so that it overlaps the rest of the suite instead of running alone at the end while
+# the other worker idles, as it could under xdist's own order; then, as xdist orders them, the files with the most
+# tests first (many short unit tests early, the few-test e2e runs spread after them).
 RUN_FIRST = ("e2e/test_chaos.py",)
 
 

@@ -156,7 +156,7 @@ def cpuinfo_peak_tflops(cpuinfo: str, threads: int) -> float:
     flags = set((_first_field(cpuinfo, "flags") or "").split())
     mhz = _first_field(cpuinfo, "cpu MHz")
     lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
-    return threads * ((float(mhz) if mhz else 0.0) or 2000.0) * 1e6 * 2 * 2 * lanes / 1e12
+    return threads * (float(mhz or 0) or 2000.0) * 1e6 * 2 * 2 * lanes / 1e12
 
 
 def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool:

@@ -152,11 +152,9 @@ def sample_next_tokens(
     if greedy:
         tokens[greedy] = scaled[greedy].argmax(dim=-1)
     if sampled:
-        every_row = len(sampled) == len(params)  # no row copies to make
-        if banned_any:
-            probs = (scaled if every_row else scaled[sampled]).softmax(dim=-1)
-        else:  # softmax(scaled), one pass cheaper
-            probs = (log_probs if every_row else log_probs[sampled]).exp()
+        rows = slice(None) if len(sampled) == len(params) else sampled  # every row: a view, no row copies
+        # Without banned tokens softmax(scaled) is exp(log_probs), one pass cheaper.
+        probs = scaled[rows].softmax(dim=-1) if banned_any else log_probs[rows].exp()
         filtered = [i for i, row in enumerate(sampled) if params[row].needs_filtering]
         if filtered:
             mask = keep_mask(
