@@ -536,17 +536,30 @@ class CpuEngine:
         if not generating:
             return
         joining, logits = batching.prefill(self.model, generating, self.pad_token_id, self.routers, self.lora)
-        joining = self._advance(joining, logits)
-        if joining is None:
-            return
-        self._set_batch(joining if self._batch is None else batching.merge(self.model, self._batch, joining))
+        joining, finished = self._advance(joining, logits)
+        try:
+            if joining is not None:
+                self._set_batch(joining if self._batch is None else batching.merge(self.model, self._batch, joining))
+        finally:  # the finished ones are answered even when the merge fails (the step's handler fails the rest)
+            self._finish_all(finished)
 
     def _decode_step(self) -> None:
         logits = batching.decode(self.model, self._batch, self.routers, self.lora)
-        self._set_batch(self._advance(self._batch, logits))
+        batch, finished = self._advance(self._batch, logits)
+        del logits
+        self._set_batch(batch)  # before the answers go out: a client that has them finds a drained batch's memory freed
+        self._finish_all(finished)
 
-    def _advance(self, batch: batching.RunningBatch, logits: torch.Tensor) -> batching.RunningBatch | None:
-        """Sample one token per row, record it, and return the batch without the rows that finished."""
+    def _finish_all(self, finished: list[tuple[GenerationRequest, dict[str, Any]]]) -> None:
+        for request, reason in finished:
+            self._finish(request, reason)
+
+    def _advance(
+        self, batch: batching.RunningBatch, logits: torch.Tensor
+    ) -> tuple[batching.RunningBatch | None, list[tuple[GenerationRequest, dict[str, Any]]]]:
+        """Sample one token per row and record it. Returns the batch without the rows that finished (None when
+        none is left) and the finished requests with their reasons, for the caller to finish once the batch is
+        set."""
         requests = batch.requests
         banned = [self._stop_token_ids(r) if len(r.output_ids) < r.params.min_new_tokens else [] for r in requests]
         failed: dict[int, str] = {}
@@ -571,11 +584,11 @@ class CpuEngine:
         batch.last_tokens = torch.tensor(tokens, dtype=torch.long)
         watches = [self._watches.get(r) for r in requests] if self._watches else None
         tops = _top_log_probs(logits, requests, watches) if watches else None
-        alive = []
+        alive, finished = [], []
         for row, (request, token, log_prob) in enumerate(zip(requests, tokens, log_probs)):
             if row in failed:
                 request.error = failed[row]
-                self._finish(request, _abort_reason(request.error))
+                finished.append((request, _abort_reason(request.error)))
                 continue
             request.output_ids.append(token)
             request.output_logprobs.append(log_prob)
@@ -590,10 +603,10 @@ class CpuEngine:
             else:
                 if self.true_on_policy_threads and request.return_logprob:
                     self._rescore(request)
-                self._finish(request, reason)
+                finished.append((request, reason))
         if len(alive) == len(requests):
-            return batch
-        return batching.keep_rows(self.model, batch, alive) if alive else None
+            return batch, finished
+        return (batching.keep_rows(self.model, batch, alive) if alive else None), finished
 
     def _rescore(self, request: GenerationRequest) -> None:
         """`true_on_policy_threads`: replace the decode-time log-probs of a finished response with the trainer's
@@ -643,11 +656,12 @@ class CpuEngine:
             self._set_batch(batching.keep_rows(self.model, self._batch, keep) if keep else None)
 
     def _set_batch(self, batch: batching.RunningBatch | None) -> None:
-        if batch is None and self._batch is not None:
-            # The drained batch's KV caches and logits: glibc keeps their pages otherwise (0.5 GiB after 32
-            # requests of 100 tokens on a 135M model), resident through the training step that follows.
-            trim_host_heap()
+        drained = batch is None and self._batch is not None
         self._batch = batch
+        if drained:
+            # The drained batch's KV caches and logits, freed by the line above: glibc keeps their pages otherwise
+            # (0.5 GiB after 32 requests of 100 tokens on a 135M model), resident through the next training step.
+            trim_host_heap()
 
     def _finish(self, request: GenerationRequest, reason: dict[str, Any]) -> None:
         with self._cond:
