@@ -35,10 +35,12 @@ def is_vision_language(config: Any) -> bool:
     """Whether an HF config (a `PretrainedConfig`, or config.json as a dict) is a vision-language model's: it has a
     `vision_config` and transformers serves its `model_type` as image-text-to-text. The one test the trainer, the
     engine, the rollout and the argument checks share."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    if get("vision_config") is None:
+        return False  # before the import below: the driver checks its flags without importing transformers (~1 s)
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
-    return get("vision_config") is not None and get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    return get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def load_tokenizer(name_or_path: str, **kwargs: Any):
