@@ -646,14 +646,17 @@ class CpuEngine:
     def _drop_aborted(self) -> None:
         if self._batch is None:
             return
-        keep = []
+        keep, aborted = [], []
         for row, request in enumerate(self._batch.requests):
             if request.abort_requested:
-                self._finish(request, _abort_reason())
+                aborted.append((request, _abort_reason()))
             else:
                 keep.append(row)
-        if len(keep) < len(self._batch):
-            self._set_batch(batching.keep_rows(self.model, self._batch, keep) if keep else None)
+        if aborted:
+            try:  # answered once the batch is set, as a finished step's requests are (`_decode_step`)
+                self._set_batch(batching.keep_rows(self.model, self._batch, keep) if keep else None)
+            finally:
+                self._finish_all(aborted)
 
     def _set_batch(self, batch: batching.RunningBatch | None) -> None:
         drained = batch is None and self._batch is not None
