@@ -646,17 +646,14 @@ class CpuEngine:
     def _drop_aborted(self) -> None:
         if self._batch is None:
             return
-        keep, aborted = [], []
+        keep = []
         for row, request in enumerate(self._batch.requests):
             if request.abort_requested:
-                aborted.append((request, _abort_reason()))
+                self._finish(request, _abort_reason())
             else:
                 keep.append(row)
-        if aborted:
-            try:  # answered once the batch is set, as a finished step's requests are (`_decode_step`)
-                self._set_batch(batching.keep_rows(self.model, self._batch, keep) if keep else None)
-            finally:
-                self._finish_all(aborted)
+        if len(keep) < len(self._batch):
+            self._set_batch(batching.keep_rows(self.model, self._batch, keep) if keep else None)
 
     def _set_batch(self, batch: batching.RunningBatch | None) -> None:
         drained = batch is None and self._batch is not None
