@@ -143,15 +143,15 @@ def _score(test: str, kind: str, text: str) -> tuple[bool, str]:
     return False, f"FAIL {test}: got {text[:200]}"
 
 
-async def run_tests(code: str, tests: list[str]) -> tuple[int, str]:
-    """Run `tests` on `code` in a fresh sandbox: (tests passed, the report: the solution's output, then a PASS or
-    FAIL line per test). The sandbox only evaluates the expressions; the values are judged here, against expected
-    values it never sees. A solution that crashes, hangs or leaves no results passes none."""
-    async with LocalSandbox(LIMITS) as sb:
+async def run_tests(code: str, tests: list[str], limits: SandboxLimits = LIMITS) -> tuple[int, str]:
+    """Run `tests` on `code` in a fresh sandbox with `limits`: (tests passed, the report: the solution's output,
+    then a PASS or FAIL line per test). The sandbox only evaluates the expressions; the values are judged here,
+    against expected values it never sees. A solution that crashes, hangs or leaves no results passes none."""
+    async with LocalSandbox(limits) as sb:
         await sb.write_file("solution.py", code)
         await sb.write_file("expressions.txt", "\n".join(t.rpartition(" == ")[0] for t in tests) + "\n")
         await sb.write_file("runner.py", RUNNER)
-        _, stdout, stderr = await sb.exec(f"{sys.executable} -I runner.py", timeout=int(LIMITS.wall_time_s))
+        _, stdout, stderr = await sb.exec(f"{sys.executable} -I runner.py", timeout=int(limits.wall_time_s))
     lines = stdout.splitlines()
     tagged = [i for i, line in enumerate(lines) if line.startswith(RESULTS_TAG)]
     outcomes = _outcomes(lines[tagged[-1]], len(tests)) if tagged else None

@@ -3,6 +3,7 @@ solutions), and the agent end to end through `--agent-function-path` against a r
 taught to answer one problem with correct code."""
 
 import asyncio
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -63,8 +64,11 @@ def test_runner_scores_honest_wrong_and_hacking_solutions():
     }
     wrong = "def add(a, b):\n    return a - b\n"
 
+    # The example's limits with 3 s of time, not 10: "loops forever" spins until the time limit ends it.
+    limits = dataclasses.replace(agent.LIMITS, wall_time_s=3, cpu_time_s=3)
+
     async def score(code, tests=TESTS):
-        return await agent.run_tests(code, tests)
+        return await agent.run_tests(code, tests, limits)
 
     async def main():
         results = {name: await score(code) for name, code in cheats.items()}

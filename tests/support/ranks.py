@@ -14,8 +14,11 @@ import torch.multiprocessing as torch_mp
 PRELOAD = [
     "torch",
     "transformers",
+    "transformers.models.llama.modeling_llama",  # the tiny test model's classes: transformers imports them lazily
+    "peft",  # the LoRA tests' reference models
     "slime.backends.fsdp_utils.actor",
     "megatron.core",
+    "megatron.core.models.gpt",
     "slime.backends.megatron_utils.actor",
     "slime.backends.cpu_engine.server",
 ]

@@ -36,7 +36,7 @@ from slime.backends.cpu_engine.lora import LoraAdapter, LoraStore
 from slime.backends.cpu_engine.protocol import GenerationRequest, RequestError
 from slime.backends.cpu_engine.sampling import sample_next_tokens
 from slime.backends.cpu_engine.vision import Vision, load_vision
-from slime.utils.misc import trim_host_heap
+from slime.utils.misc import release_free_host_memory
 from slime.utils.moe_routing import HFRouters, has_topk_routers, routing_shape
 from slime.utils.processing_utils import is_vision_language
 from slime.utils.weight_transport import MappedSegments
@@ -661,7 +661,7 @@ class CpuEngine:
         if drained:
             # The drained batch's KV caches and logits, freed by the line above: glibc keeps their pages otherwise
             # (0.5 GiB after 32 requests of 100 tokens on a 135M model), resident through the next training step.
-            trim_host_heap()
+            release_free_host_memory()
 
     def _finish(self, request: GenerationRequest, reason: dict[str, Any]) -> None:
         with self._cond:
@@ -685,7 +685,7 @@ class CpuEngine:
         buffers go back to the OS (glibc keeps them otherwise: a second copy of the weights resident for the rest
         of the run), and the version moves on. Returns the new version."""
         self._weights_source = None
-        trim_host_heap()  # the update's buffers are freed already (reference counts): no garbage collection needed
+        release_free_host_memory()
         return self._bump_version(weight_version)
 
     def _bump_version(self, explicit: str | None) -> str:
