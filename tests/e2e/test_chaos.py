@@ -169,7 +169,10 @@ def test_random_kills_leave_the_trained_prompts_of_an_uninterrupted_run(tiny_mod
     rng = random.Random(SEED)
     save_dir = tmp_path / "run"
     prompt_file = write_addition_prompts(tmp_path / "prompts.jsonl", operands=range(1, 9))
-    num_rollout = 2 * TRIALS + 4  # a kill and its recovery span one or two steps
+    # A trial spans its random delay, the kill and the recovery: 2-6 steps, more of them the faster a step runs (one
+    # clean-clone run averaged 3.4 and ran out of the 28 steps this once allowed after 8 kills). The steps left over
+    # once the twelfth kill has been recovered from cost ~0.4 s each.
+    num_rollout = 4 * TRIALS + 4
     flags = [
         *small_run_flags(tiny_model_dir, prompt_file, save_dir), "--num-rollout", str(num_rollout),
         "--rollout-num-gpus", "2", "--save-interval", "1",
