@@ -29,16 +29,21 @@ TIER_TIMEOUTS = {"unit": 120, "integration": 400, "e2e": 900}
 # The chaos run (~200 s) first, so that it overlaps the rest of the suite instead of running alone at the end while
 # the other worker idles, as it could under xdist's own order; then, as xdist orders them, the files with the most
 # tests first (many short unit tests early, the few-test e2e runs spread after them).
-RUN_FIRST = ("e2e/test_chaos.py",)
+# test_driver_restarts next, as the other worker's first file: `run_driver` ends the Ray cluster its process is
+# connected to, as train.py's does, and a worker that had joined its session cluster before must start a new one
+# after each of the file's three runs (~5 s and ~6 CPU-s each); on a worker not connected yet they start none.
+RUN_FIRST = ("e2e/test_chaos.py", "integration/test_driver_restarts.py")
 
 
 def order_files(items: list[pytest.Item]) -> None:
-    """Sort `items` in place by file: RUN_FIRST files, then by number of tests (most first); a file keeps its order."""
+    """Sort `items` in place by file: RUN_FIRST files in their order, then by number of tests (most first); a file
+    keeps its order."""
     per_file = Counter(str(item.path) for item in items)
 
-    def rank(item: pytest.Item) -> tuple[bool, int]:
+    def rank(item: pytest.Item) -> tuple[int, int]:
         relative = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
-        return relative not in RUN_FIRST, -per_file[str(item.path)]
+        first = RUN_FIRST.index(relative) if relative in RUN_FIRST else len(RUN_FIRST)
+        return first, -per_file[str(item.path)]
 
     items.sort(key=rank)  # stable: ties keep the collection order, as xdist's own sort does
 
