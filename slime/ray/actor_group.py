@@ -198,11 +198,14 @@ class RayTrainGroup:
             return remote_cls.options(**options).remote(args.train_backend, world_size, rank, master_addr, master_port)
 
         rank0 = make(0, None, None)
+        self.actors = [rank0]
+        if world_size == 1:  # no rendezvous to hand out: the driver goes on while the rank starts (a critic, too)
+            return
         master_addr, master_port = ray.get(rank0.get_master_addr_and_port.remote())
         if actor_slice.multi_node:
             # Rank 0 names 127.0.0.1 on CPU; the ranks reach it at its node's IP (its store listens on every address).
             master_addr = actor_slice.node_ips[0]
-        self.actors = [rank0] + [make(rank, master_addr, master_port) for rank in range(1, world_size)]
+        self.actors += [make(rank, master_addr, master_port) for rank in range(1, world_size)]
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -223,6 +226,8 @@ class RayTrainGroup:
         try:
             return ray.get(refs)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:
+                raise  # a rank whose process never started: its own error says why
             # A rank's death also fails its peers' collectives: name the ranks that are gone.
             dead = [rank for rank, actor in enumerate(self.actors) if not _answers(actor)]
             if not dead:
@@ -236,8 +241,12 @@ class RayTrainGroup:
 
     def init(self, with_ref: bool = False) -> int:
         """Build models on every rank (loading `--load`); returns the rollout id to start from."""
-        start_ids = self.wait([actor.init.remote(self.args, self.role, with_ref) for actor in self.actors], "init")
-        return start_ids[0]
+        return self.wait(self.async_init(with_ref), "init")[0]
+
+    def async_init(self, with_ref: bool = False) -> list:
+        """Start `init` on every rank; `wait(refs, "init")[0]` is its result. The actor and the critic build theirs
+        at once this way."""
+        return [actor.init.remote(self.args, self.role, with_ref) for actor in self.actors]
 
     def rank_shards(self, data_refs: list) -> list:
         """Each rank's shard: `data_refs[d]` belongs to data-parallel rank `d` (one per `dp_size`)."""

@@ -103,9 +103,11 @@ def create_training_run(args) -> TrainingRun:
     start_rollout_id = args.start_rollout_id or 0
     weight_version = 0
     if actor is not None:
-        loaded_next_rollout_id = actor.init(with_ref=args.use_kl_loss or args.kl_coef != 0)
+        actor_init = actor.async_init(with_ref=args.use_kl_loss or args.kl_coef != 0)
+        critic_init = critic.async_init() if critic is not None else None  # built while the actor's model is
+        loaded_next_rollout_id = actor.wait(actor_init, "init")[0]
         if critic is not None:
-            critic.init()
+            critic.wait(critic_init, "init")
         if args.start_rollout_id is None:
             start_rollout_id = loaded_next_rollout_id
         if start_rollout_id > 0:

@@ -223,8 +223,8 @@ def ppo_groups(tiny_model_dir, ray_cluster):
         RayTrainGroup(args, PlacementSlice(None, [rank]), role=role) for rank, role in enumerate(("actor", "critic"))
     ]
     try:
-        groups[0].init()
-        groups[1].init()
+        for group, refs in [(group, group.async_init()) for group in groups]:  # both build at once, as train.py's do
+            group.wait(refs, "init")
         yield args, *groups
     finally:
         for group in groups:
