@@ -23,10 +23,11 @@ fi
 # workers and the processes they start share two cores, and a 2-thread process spin-waits on a core another process
 # needs (the fast tier used 3-8% less CPU this way, 445 -> 430 and 453 -> 416 CPU-s, in two back-to-back pairs).
 export OMP_NUM_THREADS=1
-# Two workers, a test file each at a time: the end-to-end runs wait on process start-up much of the time, so two
-# of them overlap well on 2 cores. Files go out in the order tests/conftest.py sorts them (the chaos run first, then
-# the files with the most tests), which xdist's own sort would undo.
-python3 -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "${paths[@]}" "$@"
+# Three workers on 2 cores, a test file each at a time: the tests wait on process start-up, engines and servers much
+# of the time (two workers kept the cores 77% busy on the fast tier: 3:19 there, 2:50 with three at 92%; whole suite
+# 10:29 with three). Files go out in the order tests/conftest.py sorts them (the chaos run first, then the files with
+# the most tests), which xdist's own sort would undo.
+python3 -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder "${paths[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: treating as a failure" >&2

@@ -26,7 +26,7 @@ from support.watchdog import (  # noqa: E402, F401
 TIER_TIMEOUTS = {"unit": 120, "integration": 400, "e2e": 900}
 
 # The order files run in (scripts/test.sh keeps it with --no-loadscope-reorder: xdist hands each worker whole files).
-# The chaos run (~200 s) first, so that it overlaps the rest of the suite instead of running alone at the end while
+# The chaos run (200-300 s) first, so that it overlaps the rest of the suite instead of running alone at the end while
 # the other worker idles, as it could under xdist's own order; then, as xdist orders them, the files with the most
 # tests first (many short unit tests early, the few-test e2e runs spread after them).
 # test_driver_restarts next, as the other worker's first file: `run_driver` ends the Ray cluster its process is

@@ -104,7 +104,7 @@ def create_training_run(args) -> TrainingRun:
     weight_version = 0
     if actor is not None:
         actor_init = actor.async_init(with_ref=args.use_kl_loss or args.kl_coef != 0)
-        critic_init = critic.async_init() if critic is not None else None  # built while the actor's model is
+        critic_init = critic.async_init() if critic is not None else None  # the critic builds its model meanwhile
         loaded_next_rollout_id = actor.wait(actor_init, "init")[0]
         if critic is not None:
             critic.wait(critic_init, "init")
