@@ -272,11 +272,13 @@ def test_rollout_manager_answers_progress_while_busy_and_reports_the_sft_rollout
     ])  # fmt: skip
     manager = create_rollout_manager(args, PlacementSlice(None))
     try:
-        marker = tmp_path / "busy"
+        marker, release = tmp_path / "busy", tmp_path / "release"
 
-        def busy(self):
+        def busy(self):  # busy until the test has its answer (at most 30 s)
             marker.write_text("started")
-            time.sleep(5)
+            deadline = time.monotonic() + 30
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
         busy_ref = manager.__ray_call__.remote(busy)
         deadline = time.monotonic() + 30
@@ -286,6 +288,7 @@ def test_rollout_manager_answers_progress_while_busy_and_reports_the_sft_rollout
         # `progress` has its own concurrency group: it answers while the serialized methods are busy.
         assert ray.get(manager.progress.remote(), timeout=3) == []
         assert not ray.wait([busy_ref], timeout=0)[0]
+        release.write_text("done")
         ray.get(busy_ref)
 
         out = io.StringIO()
