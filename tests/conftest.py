@@ -27,9 +27,9 @@ TIER_TIMEOUTS = {"unit": 120, "integration": 400, "e2e": 900}
 
 # The order files run in (scripts/test.sh keeps it with --no-loadscope-reorder: xdist hands each worker whole files).
 # The chaos run (200-300 s) first, so that it overlaps the rest of the suite instead of running alone at the end while
-# the other worker idles, as it could under xdist's own order; then, as xdist orders them, the files with the most
+# the other workers idle, as it could under xdist's own order; then, as xdist orders them, the files with the most
 # tests first (many short unit tests early, the few-test e2e runs spread after them).
-# test_driver_restarts next, as the other worker's first file: `run_driver` ends the Ray cluster its process is
+# test_driver_restarts next, as another worker's first file: `run_driver` ends the Ray cluster its process is
 # connected to, as train.py's does, and a worker that had joined its session cluster before must start a new one
 # after each of the file's three runs (~5 s and ~6 CPU-s each); on a worker not connected yet they start none.
 RUN_FIRST = ("e2e/test_chaos.py", "integration/test_driver_restarts.py")
