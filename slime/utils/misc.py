@@ -102,10 +102,10 @@ def release_free_host_memory() -> None:
     """Hand freed heap memory back to the OS (glibc's `malloc_trim`); a no-op elsewhere.
 
     glibc keeps freed small and mid-sized blocks (a training step's activations, below its mmap threshold) for
-    reuse, so a process's resident size only grows between steps unless asked. No garbage collection first: a
-    train step, an offload and a weight update leave no reference cycles (measured: a collection after an FSDP
-    step finds none), and a full collection costs 0.2 s in a process that has imported torch, transformers and
-    megatron-core (a tiny model's whole train step, again).
+    reuse, so a process's resident size only grows between steps unless asked. No garbage collection first: what
+    is freed here goes by reference counts (a collection after FSDP train steps, with and without the reference
+    model, and after an offload found no unreachable object), and a full collection costs 0.2 s in a process that
+    has imported torch, transformers and megatron-core (a tiny model's whole train step, again).
     """
     malloc_trim = _malloc_trim()
     if malloc_trim is not None:
