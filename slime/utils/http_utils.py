@@ -38,10 +38,12 @@ import urllib.error
 import urllib.request
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import psutil
+
+if TYPE_CHECKING:
+    import aiohttp  # imported where the async helpers run: most processes (engine actors, trainers) never do
 
 logger = logging.getLogger(__name__)
 
@@ -355,6 +357,8 @@ _connection_limit = 0
 def _shared_session() -> aiohttp.ClientSession:
     """One session per event loop: aiohttp sessions cannot cross loops, and a new session per request
     would open a new connection per request."""
+    import aiohttp
+
     global _async_session, _async_session_loop
     loop = asyncio.get_running_loop()
     if _async_session is None or _async_session.closed or _async_session_loop is not loop:
@@ -414,6 +418,8 @@ async def async_post_json(
         HTTPRequestError: The server answered with a status >= 400 (after retries for 502/503).
         ConnectionError: The server could not be reached after all retries.
     """
+    import aiohttp
+
     session = _shared_session()
     client_timeout = aiohttp.ClientTimeout(total=timeout)
     give_up_at = time.monotonic() + retry_failures_for

@@ -36,7 +36,7 @@ TIMEOUT_S = 600
 # What a process of the job is, from its command line.
 KINDS = {
     "engine server": lambda cmd: "slime.backends.cpu_engine" in cmd,
-    "router": lambda cmd: cmd.startswith("sglang::router") or "sglang_router.launch_router" in cmd,
+    "router": lambda cmd: cmd.startswith("sglang::router") or "sglang_utils.launch_router" in cmd,
     "trainer rank": lambda cmd: cmd.startswith("ray::FSDPTrainRayActor"),
     "rollout manager": lambda cmd: cmd.startswith("ray::RolloutManager"),
     "engine actor": lambda cmd: cmd.startswith("ray::RolloutEngine"),

@@ -83,7 +83,7 @@ def test_router_spreads_generate_over_both_engines(router, engines):
 
 def test_router_command_line_has_changes_and_slime_defaults_only(router):
     command = router.log_path.read_text().splitlines()[0].split()
-    launched = command[command.index("sglang_router.launch_router") + 1 :]
+    launched = command[command.index("slime.backends.sglang_utils.launch_router") + 1 :]
     flags = [word for word in launched if word.startswith("--")]
     assert sorted(flags) == sorted(
         ["--host", "--port", "--prometheus-port", "--request-timeout-secs", "--disable-circuit-breaker",

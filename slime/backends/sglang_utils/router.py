@@ -3,7 +3,8 @@
 What sglang-router 0.3.2 does (measured on this machine):
 - `python -m sglang_router.launch_router` is one Rust process that renames itself `sglang::router`
   (no children) and exits within ~1 s of SIGTERM when idle. `--host` and `--prometheus-host` default
-  to 0.0.0.0, so slime binds both explicitly.
+  to 0.0.0.0, so slime binds both explicitly. slime starts the same router with the same flags through
+  `slime.backends.sglang_utils.launch_router`, which skips the Python load balancer's imports.
 - GET /health answers 200 "OK" as soon as it serves, even with no workers; GET /readiness says how many
   workers are healthy. /list_workers does not exist in 0.3.x (404).
 - POST /workers {"url"} answers 202 with {"worker_id", "location": "/workers/<id>"} and adds the worker
@@ -135,7 +136,7 @@ def start_router(args: argparse.Namespace, startup_timeout: float = 60.0) -> Rou
     }
     # A changed --router-* value wins, --router-request-timeout-secs over --sglang-router-request-timeout-secs too.
     options |= DEFAULT_ROUTER_OPTIONS | router_options
-    command = [sys.executable, "-m", "sglang_router.launch_router", *options_to_cli_args(options, parser)]
+    command = [sys.executable, "-m", "slime.backends.sglang_utils.launch_router", *options_to_cli_args(options, parser)]
     log_path = server_log_path(args, f"router_{port}")
     process = launch_server_process(command, log_path)
     url = f"http://{host}:{port}"

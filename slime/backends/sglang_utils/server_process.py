@@ -105,7 +105,7 @@ def launch_server_process(
     docstring). The log gets the command line with API keys masked.
 
     Args:
-        command: Full command, e.g. [sys.executable, "-m", "sglang_router.launch_router", ...].
+        command: Full command, e.g. [sys.executable, "-m", "slime.backends.sglang_utils.launch_router", ...].
         log_path: File that receives the server's output.
         env: Environment for the server (defaults to this process's environment).
 
