@@ -1,5 +1,6 @@
-"""A `ray start --head` node on 127.0.0.1 with free ports, stopped by its process id (never `ray stop`, which would
-stop every Ray on the machine, another test worker's too)."""
+"""Ray clusters of the tests: the session cluster of a test process (`connect_session_cluster`, which its driver
+runs join too), and the pieces of a `ray start --head` node on 127.0.0.1 with free ports, stopped by its process id
+(never `ray stop`, which would stop every Ray on the machine, another test worker's too)."""
 
 from __future__ import annotations
 
@@ -50,21 +51,6 @@ def free_start_ports() -> dict[str, int]:
     return ports
 
 
-def start_head(num_cpus: int, env: dict[str, str], log_path, *extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
-    """`ray start --head --block` on 127.0.0.1 with free ports (every Ray process of the node descends from the
-    process returned); returns it and the ports. The caller waits for the node and stops it with `stop_tree`."""
-    ports = free_start_ports()
-    temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # Ray's socket paths must stay short
-    command = [
-        "ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--disable-usage-stats",
-        "--num-cpus", str(num_cpus), "--temp-dir", temp_dir,
-        *[str(word) for flag, port in ports.items() for word in (flag, port)], *extra,
-    ]  # fmt: skip
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=with_test_interpreter(env), stdout=log, stderr=subprocess.STDOUT)
-    return process, ports
-
-
 def stop_tree(process: subprocess.Popen) -> None:
     """SIGTERM to `ray start --block` (it drains the node and stops what it started), then SIGKILL to any
     descendant still alive 15 s later."""
@@ -82,15 +68,10 @@ def stop_tree(process: subprocess.Popen) -> None:
         leftover.kill()
 
 
-def loopback_env() -> dict[str, str]:
-    """This environment with Ray bound to loopback (its servers and a joining driver)."""
-    return dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-
-
 def connect_session_cluster() -> None:
     """Connect this test process to its local Ray cluster (tests/conftest.py `ray_cluster`), starting a new one when
     a test ended it: `run_driver` shuts Ray down when its run ends, as train.py's process does, and the multi-node
     tests swap in a cluster of their own. A fixture that already ran is not run again, so they restore it here."""
     from slime.ray.placement_group import init_ray
 
-    init_ray(num_cpus=8, log_to_driver=False)  # a no-op while connected
+    init_ray(num_cpus=16, log_to_driver=False)  # a no-op while connected; 16 slots: driver runs join it too

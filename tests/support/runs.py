@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import atexit
-import functools
 import json
 import os
-import secrets
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from slime.utils.types import Sample
-from support.ray_head import loopback_env, start_head, stop_tree, with_test_interpreter
+from support.ray_head import connect_session_cluster
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -46,38 +41,30 @@ def run_driver_script(
 ) -> subprocess.CompletedProcess:
     """`python <script> <flags>` from the repository root, with tests/ importable for plugin paths.
 
-    The driver joins this test process's shared Ray node (`shared_ray_node`), as under `ray job submit`, unless the
-    environment names a cluster already (RAY_ADDRESS) or `own_cluster` asks for the local cluster train.py starts
-    when it is run alone (a test of what happens to Ray's own processes needs that)."""
+    The driver joins this test process's session Ray cluster (`session_cluster_env`), as under `ray job submit`,
+    unless the environment names a cluster already (RAY_ADDRESS) or `own_cluster` asks for the local cluster train.py
+    starts when it is run alone (a test of what happens to Ray's own processes needs that)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     if not own_cluster and "RAY_ADDRESS" not in env:
-        env |= shared_ray_node()
+        env |= session_cluster_env()
     command = [sys.executable, script, *flags]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@functools.cache
-def shared_ray_node() -> dict[str, str]:
-    """One `ray start --head` node on 127.0.0.1 for the driver runs of this test process, with a token of its own
-    (RAY_AUTH_TOKEN, in no file); returns the environment a driver joins it with. Each run still has its own job,
-    actors and engines (a job's processes end with its driver); what it saves is Ray's start and stop per run
-    (~5 s). Stopped by process id when the test process exits."""
-    env = loopback_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    # No dashboard (its processes idle at ~0.1 core, the whole session) and no prestarted workers (started with the
-    # node's environment, they never serve a job, whose workers get the job's runtime env).
-    env |= {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
-    log = Path(tempfile.mkdtemp(prefix="slime-test-ray-")) / "ray_start.log"
-    process, ports = start_head(16, env, log, "--include-dashboard", "false")
-    atexit.register(stop_tree, process)
-    address = f"127.0.0.1:{ports['--port']}"
-    deadline = time.monotonic() + 120
-    status = ["ray", "status", "--address", address]
-    while subprocess.run(status, env=with_test_interpreter(env), capture_output=True).returncode != 0:
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the shared Ray node did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    keys = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
-    return {key: env[key] for key in keys} | {"RAY_ADDRESS": address}
+def session_cluster_env() -> dict[str, str]:
+    """The environment a driver run joins this test process's session Ray cluster with (`ray_cluster`, started here
+    if it is not up), as a job joins a cluster under `ray job submit`. Each run still has its own job, actors and
+    engines (a job's processes end with its driver); what it saves is Ray's start and stop per run (~5 s), and a
+    second node per test process idling beside the session cluster (~2.4 CPU-s a minute, measured)."""
+    import ray
+
+    connect_session_cluster()
+    # The cluster's token is Ray's default file (~/.ray/auth_token), which a joining process reads only in token mode.
+    return {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "token",
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+    }
 
 
 def rollout_rows(save_dir: Path) -> list[dict]:
