@@ -6,9 +6,13 @@ cluster). The end-to-end restarts from a real death are in tests/e2e/test_chaos.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import ray
 from support.ray_head import connect_session_cluster
@@ -34,9 +38,20 @@ def attempts_of(train_error: Exception, argv: list[str]) -> tuple[list[tuple], s
     connected = ray.is_initialized()
     with pytest.raises(SystemExit) as ended:
         run_driver(train, argv)  # its exit ends the Ray job it ran in
+    stop_job_reaper(os.environ[PIDS_FILE_ENV])
     if connected:
         connect_session_cluster()  # for this process's later tests on the session cluster
     return attempts, str(ended.value)
+
+
+def stop_job_reaper(pids_file: str) -> None:
+    """End the job reaper `run_driver` started (`pids_file` names its folder): it watches this test process, which
+    outlives the run, and would poll /proc twice a second until the session ends."""
+    folder = str(Path(pids_file).parent)
+    for process in psutil.process_iter(["cmdline"]):
+        if folder in (process.info["cmdline"] or []):
+            process.terminate()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
