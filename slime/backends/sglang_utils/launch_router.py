@@ -6,16 +6,22 @@ sglang_router.launch_router` runs, with the same flags, but without importing sg
 from __future__ import annotations
 
 import argparse
+import sys
 
 import setproctitle
 from sglang_router.router import Router
 from sglang_router.router_args import RouterArgs
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_router_args(argv: list[str]) -> RouterArgs:
+    """sglang-router's flags (those of `python -m sglang_router.launch_router`), parsed as its launcher does."""
     parser = argparse.ArgumentParser(prog="python -m slime.backends.sglang_utils.launch_router")
     RouterArgs.add_cli_args(parser, use_router_prefix=False)
-    router_args = RouterArgs.from_cli_args(parser.parse_args(argv), use_router_prefix=False)
+    return RouterArgs.from_cli_args(parser.parse_args(argv), use_router_prefix=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    router_args = parse_router_args(sys.argv[1:] if argv is None else argv)
     if router_args.mini_lb:  # the Python load balancer: upstream's launcher runs it
         from sglang_router.launch_router import launch_router
 
