@@ -161,7 +161,8 @@ def run_router(args: Any) -> int:
     """Upstream's router runner: serve sglang-router in this process until it stops.
 
     It blocks, so upstream runs it as a `multiprocessing.Process` target (stop that with `terminate_process`).
-    It is what `python -m sglang_router.launch_router` runs, the command slime's own router launch uses.
+    It is what `python -m sglang_router.launch_router` runs (slime launches its own routers with the same flags
+    through `slime.backends.sglang_utils.launch_router`).
 
     Args:
         args: sglang-router's `RouterArgs`, or a namespace of its command-line fields. The router and its metrics

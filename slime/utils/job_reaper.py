@@ -125,10 +125,10 @@ def _children_of() -> dict[int, list[int]]:
         try:
             with open(f"/proc/{name}/stat", "rb") as file:
                 stat = file.read()
-        except OSError:  # it exited meanwhile
+            # "pid (name) state ppid ...": the name may hold spaces and parentheses, so split after the last ")".
+            ppid = int(stat[stat.rfind(b")") + 2 :].split(maxsplit=2)[1])
+        except (OSError, ValueError, IndexError):  # it exited meanwhile
             continue
-        # "pid (name) state ppid ...": the name may hold spaces and parentheses, so split after the last ")".
-        ppid = int(stat[stat.rfind(b")") + 2 :].split(maxsplit=2)[1])
         children.setdefault(ppid, []).append(int(name))
     return children
 
@@ -144,7 +144,9 @@ def _with_descendants(roots: list[Record]) -> set[Record]:
         found.add(record)
         for pid in children.get(record[0], ()):
             with contextlib.suppress(psutil.Error):  # it exited since the scan
-                pending.append((pid, psutil.Process(pid).create_time()))
+                child = psutil.Process(pid)
+                if child.ppid() == record[0]:  # not a new process that took the pid of one that exited since the scan
+                    pending.append((pid, child.create_time()))
     return found
 
 

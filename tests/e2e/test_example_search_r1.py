@@ -92,7 +92,8 @@ def test_train_py_searches_reads_and_answers(tiny_model_dir, tmp_path, monkeypat
         "--custom-rm-path", "generate_with_search.reward_func",
         "--max-turns", "2", "--rollout-max-response-len", "48", "--rollout-temperature", "0.1",
         # The example reads SEARCH_R1_TOPK in the rollout process: the workers of a local cluster inherit this
-        # environment, those of a running one (the shared node, `ray job submit`) only what the job's runtime env says.
+        # environment, those of a running one (the session cluster, `ray job submit`) only what the job's runtime env
+        # says.
         own_cluster=True,
     )  # fmt: skip
     assert [h["rollout_id"] for h in history] == [0, 1] and [h["rollout/reward"] for h in history] == [1.0, 1.0]

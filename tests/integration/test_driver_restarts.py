@@ -36,9 +36,11 @@ def attempts_of(train_error: Exception, argv: list[str]) -> tuple[list[tuple], s
         raise train_error
 
     connected = ray.is_initialized()
-    with pytest.raises(SystemExit) as ended:
-        run_driver(train, argv)  # its exit ends the Ray job it ran in
-    stop_job_reaper(os.environ[PIDS_FILE_ENV])
+    try:
+        with pytest.raises(SystemExit) as ended:
+            run_driver(train, argv)  # its exit ends the Ray job it ran in
+    finally:
+        stop_job_reaper(os.environ[PIDS_FILE_ENV])
     if connected:
         connect_session_cluster()  # for this process's later tests on the session cluster
     return attempts, str(ended.value)
@@ -47,9 +49,11 @@ def attempts_of(train_error: Exception, argv: list[str]) -> tuple[list[tuple], s
 def stop_job_reaper(pids_file: str) -> None:
     """End the job reaper `run_driver` started (`pids_file` names its folder): it watches this test process, which
     outlives the run, and would poll /proc twice a second until the session ends."""
-    folder = str(Path(pids_file).parent)
+    folder = Path(pids_file).parent
+    if not pids_file or not folder.name.startswith("slime_job_"):  # none started (run_driver failed before it)
+        return
     for process in psutil.process_iter(["cmdline"]):
-        if folder in (process.info["cmdline"] or []):
+        if str(folder) in (process.info["cmdline"] or []):
             process.terminate()
     shutil.rmtree(folder, ignore_errors=True)
 

@@ -1,5 +1,6 @@
 """The job reaper (slime.utils.job_reaper) on a stand-in driver: a process that starts the reaper, a child that
-ignores SIGTERM, that child's own child, and a registered process outside its tree, then exits or is killed."""
+ignores SIGTERM, that child's own child, and a registered process outside its tree, then exits or is killed; and
+its scan of /proc finding a child whatever the child's name."""
 
 from __future__ import annotations
 
@@ -80,3 +81,23 @@ def test_every_process_of_the_job_is_stopped_after_its_driver(how):
         bystander.kill()
         for pid in alive(job):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_child_named_with_spaces_and_parentheses_is_noted():
+    from slime.utils.job_reaper import _with_descendants
+
+    # /proc/<pid>/stat holds "pid (name) state ppid ...": this name would throw off a plain split.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "open('/proc/self/comm', 'w').write('a) 1 (b'); import time; time.sleep(60)"]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(child.pid).name() != "a) 1 (b" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        me = psutil.Process()
+        noted = _with_descendants([(me.pid, me.create_time())])
+        assert (child.pid, psutil.Process(child.pid).create_time()) in noted
+    finally:
+        child.kill()
+        child.wait()

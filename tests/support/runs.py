@@ -59,10 +59,11 @@ def session_cluster_env() -> dict[str, str]:
     import ray
 
     connect_session_cluster()
-    # The cluster's token is Ray's default file (~/.ray/auth_token), which a joining process reads only in token mode.
+    # The mode the cluster started in (Ray sets it here as it starts one): in token mode a joining process reads the
+    # cluster's token from Ray's default file, ~/.ray/auth_token.
     return {
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
         "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
     }
 

@@ -9,7 +9,6 @@ import argparse
 import sys
 
 import setproctitle
-from sglang_router.router import Router
 from sglang_router.router_args import RouterArgs
 
 
@@ -27,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
 
         launch_router(router_args)
         return
+    from sglang_router.router import Router  # the Rust router (upstream's launcher needs it only here too)
+
     setproctitle.setproctitle("sglang::router")  # the name upstream's launcher gives the process
     router_args._validate_router_args()
     Router.from_args(router_args).start()
