@@ -127,7 +127,7 @@ def _children_of() -> dict[int, list[int]]:
                 stat = file.read()
             # "pid (name) state ppid ...": the name may hold spaces and parentheses, so split after the last ")".
             ppid = int(stat[stat.rfind(b")") + 2 :].split(maxsplit=2)[1])
-        except (OSError, ValueError, IndexError):  # it exited meanwhile
+        except (OSError, ValueError, IndexError):  # it exited meanwhile, or its line is not a stat line
             continue
         children.setdefault(ppid, []).append(int(name))
     return children

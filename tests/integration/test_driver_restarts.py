@@ -49,8 +49,10 @@ def attempts_of(train_error: Exception, argv: list[str]) -> tuple[list[tuple], s
 def stop_job_reaper(pids_file: str) -> None:
     """End the job reaper `run_driver` started (`pids_file` names its folder): it watches this test process, which
     outlives the run, and would poll /proc twice a second until the session ends."""
+    if not pids_file:  # none started: run_driver failed before it
+        return
     folder = Path(pids_file).parent
-    if not pids_file or not folder.name.startswith("slime_job_"):  # none started (run_driver failed before it)
+    if not folder.name.startswith("slime_job_"):  # not a folder start_job_reaper made: leave it
         return
     for process in psutil.process_iter(["cmdline"]):
         if str(folder) in (process.info["cmdline"] or []):

@@ -19,8 +19,8 @@ def parse_router_args(argv: list[str]) -> RouterArgs:
     return RouterArgs.from_cli_args(parser.parse_args(argv), use_router_prefix=False)
 
 
-def main(argv: list[str] | None = None) -> None:
-    router_args = parse_router_args(sys.argv[1:] if argv is None else argv)
+def main() -> None:
+    router_args = parse_router_args(sys.argv[1:])
     if router_args.mini_lb:  # the Python load balancer: upstream's launcher runs it
         from sglang_router.launch_router import launch_router
 
