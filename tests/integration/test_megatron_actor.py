@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-pytest.importorskip("megatron.core")
-
 from support.megatron_actor import hf_model_with, make_args, make_rollout, new_megatron_actor
-from support.megatron_cpu import run_in_processes  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from support.megatron_cpu import requires_megatron_core, run_in_processes
+from transformers import AutoModelForCausalLM
+
+pytestmark = requires_megatron_core
 
 TOLERANCE = 1e-4
 VOCAB = 320

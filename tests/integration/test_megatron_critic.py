@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from support.megatron_actor import make_rollout
+from support.megatron_cpu import requires_megatron_core, run_in_processes
 
-pytest.importorskip("megatron.core")
+from slime.utils.arguments import parse_args
 
-from support.megatron_actor import make_rollout  # noqa: E402
-from support.megatron_cpu import run_in_processes  # noqa: E402
-
-from slime.utils.arguments import parse_args  # noqa: E402
+pytestmark = requires_megatron_core
 
 TOLERANCE = 1e-4
 COMPARED = ("value_loss", "value_clipfrac", "grad_norm", "lr")

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from support.megatron_cpu import requires_megatron_core, run_in_processes
+from support.megatron_models import MINIMAL_SLIME_FLAGS, build_tiny_hf, hf_logits, megatron_logits, model_args_of
+from transformers import AutoModelForCausalLM, Glm4Config
 
-pytest.importorskip("megatron.core")
-
-from safetensors.torch import load_file  # noqa: E402
-from support.megatron_cpu import run_in_processes  # noqa: E402
-from support.megatron_models import MINIMAL_SLIME_FLAGS, build_tiny_hf, hf_logits, megatron_logits, model_args_of  # noqa: E402
-from transformers import AutoModelForCausalLM, Glm4Config  # noqa: E402
+pytestmark = requires_megatron_core
 
 TOLERANCE = 1e-4
 VOCAB = 300

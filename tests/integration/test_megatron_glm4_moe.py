@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from support.megatron_cpu import requires_megatron_core, run_in_processes
+from support.megatron_models import hf_logits, megatron_logits
+from support.tiny_model import build_tiny_model
 
-pytest.importorskip("megatron.core")
-
-from safetensors.torch import load_file  # noqa: E402
-from support.megatron_cpu import run_in_processes  # noqa: E402
-from support.megatron_models import hf_logits, megatron_logits  # noqa: E402
-from support.tiny_model import build_tiny_model  # noqa: E402
+pytestmark = requires_megatron_core
 
 TOLERANCE = 1e-4
 

@@ -12,18 +12,16 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save_file
+from support.megatron_cpu import requires_megatron_core, run_in_processes
+from support.megatron_models import tiny_qwen2
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("peft")
+from slime.backends.megatron_utils.lora import adapter_config
+from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from support.megatron_cpu import run_in_processes  # noqa: E402
-from support.megatron_models import tiny_qwen2  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
-
-from slime.backends.megatron_utils.lora import adapter_config  # noqa: E402
-from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE  # noqa: E402
+pytestmark = requires_megatron_core
 
 TOLERANCE = 1e-5
 RANK, ALPHA, LR, STEPS = 4, 8.0, 1e-2, 3

@@ -18,21 +18,19 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from peft import LoraConfig, PeftModel, get_peft_model
+from support.engines import cpu_engine_process, engine_prompt_log_probs
+from support.fsdp import make_rollout, plain_response_log_probs
+from support.megatron_cpu import requires_megatron_core, run_in_processes
+from support.scripts import run_script
+from transformers import AutoModelForCausalLM
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("peft")
+from slime.backends.sglang_utils.http_client import EngineClient
+from slime.utils.arguments import parse_args
+from slime.utils.lora import POLICY_ADAPTER
+from slime.utils.weight_transport import SHARED_MEMORY_FORMAT
 
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from support.engines import cpu_engine_process, engine_prompt_log_probs  # noqa: E402
-from support.fsdp import make_rollout, plain_response_log_probs  # noqa: E402
-from support.megatron_cpu import run_in_processes  # noqa: E402
-from support.scripts import run_script  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from slime.backends.sglang_utils.http_client import EngineClient  # noqa: E402
-from slime.utils.arguments import parse_args  # noqa: E402
-from slime.utils.lora import POLICY_ADAPTER  # noqa: E402
-from slime.utils.weight_transport import SHARED_MEMORY_FORMAT  # noqa: E402
+pytestmark = requires_megatron_core
 
 TOLERANCE = 1e-5
 ENGINE_TOLERANCE = 1e-4

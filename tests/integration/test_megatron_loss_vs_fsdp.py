@@ -12,13 +12,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from support.megatron_actor import make_rollout
+from support.megatron_cpu import requires_megatron_core, run_in_processes
 
-pytest.importorskip("megatron.core")
+from slime.utils.arguments import parse_args
 
-from support.megatron_actor import make_rollout  # noqa: E402
-from support.megatron_cpu import run_in_processes  # noqa: E402
-
-from slime.utils.arguments import parse_args  # noqa: E402
+pytestmark = requires_megatron_core
 
 TOLERANCE = 1e-4
 CAPTURED: dict[int, dict] = {}

@@ -12,10 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("megatron.core")
-
-from support.megatron_cpu import run_in_processes  # noqa: E402
+from support.megatron_cpu import requires_megatron_core, run_in_processes
 from support.megatron_models import (
     MINIMAL_SLIME_FLAGS,
     build_tiny_hf,
@@ -24,8 +21,10 @@ from support.megatron_models import (
     model_args_of,
     tiny_qwen2,
 )
-from support.tiny_model import build_tiny_model  # noqa: E402
-from transformers import Qwen3MoeConfig  # noqa: E402
+from support.tiny_model import build_tiny_model
+from transformers import Qwen3MoeConfig
+
+pytestmark = requires_megatron_core
 
 TOLERANCE = 1e-4
 

@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from support.megatron_actor import make_args, make_rollout, new_megatron_actor
+from support.megatron_cpu import requires_megatron_core, run_in_processes
+from support.tiny_model import build_tiny_model
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
 
-pytest.importorskip("megatron.core")
-
-from safetensors.torch import load_file, save_file  # noqa: E402
-from support.megatron_actor import make_args, make_rollout, new_megatron_actor  # noqa: E402
-from support.megatron_cpu import run_in_processes  # noqa: E402
-from support.tiny_model import build_tiny_model  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm  # noqa: E402
+pytestmark = requires_megatron_core
 
 SCALE = 0.5  # --mtp-loss-scaling-factor
 MAIN_LAYERS = 2

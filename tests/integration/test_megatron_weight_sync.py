@@ -18,15 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.engines import cpu_engine_process, engine_prompt_log_probs
+from support.megatron_actor import hf_model_with, make_args, make_rollout
+from support.megatron_cpu import requires_megatron_core, run_in_processes
+from support.tiny_model import build_tiny_model
 
-pytest.importorskip("megatron.core")
+from slime.backends.sglang_utils.http_client import EngineClient
 
-from support.engines import cpu_engine_process, engine_prompt_log_probs  # noqa: E402
-from support.megatron_actor import hf_model_with, make_args, make_rollout  # noqa: E402
-from support.megatron_cpu import run_in_processes  # noqa: E402
-from support.tiny_model import build_tiny_model  # noqa: E402
-
-from slime.backends.sglang_utils.http_client import EngineClient  # noqa: E402
+pytestmark = requires_megatron_core
 
 PROBE = [5, 17, 42, 99, 123, 7, 250, 31, 64, 12, 200, 3]
 TOLERANCE = 1e-4

@@ -12,6 +12,7 @@ return value must be picklable (tensors are fine) and comes back as `results[ran
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 import time
@@ -20,10 +21,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from slime.utils.http_utils import find_free_port
 from support.ranks import rank_process_context
+
+# A module-level `pytestmark`: checks that megatron-core is installed without importing it (~3 s) in every test
+# process that collects the module; the ranks import it, in the fork server.
+requires_megatron_core = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed: pip install -e '.[megatron]'",
+)
 
 # Generous: two processes share two busy cores.
 DEFAULT_TIMEOUT_S = 240
