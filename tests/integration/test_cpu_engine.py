@@ -12,6 +12,7 @@ import copy
 import http.client
 import os
 import pickle
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +26,9 @@ from support.tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.backends.cpu_engine import ServerArgs, launch_server
+from slime.backends.cpu_engine.engine import CpuEngine
+from slime.backends.cpu_engine.protocol import GenerationRequest
+from slime.backends.cpu_engine.sampling import SamplingParams
 from slime.utils.http_utils import find_free_port
 from slime.utils.weight_transport import init_process_group_like_sglang, serialize_named_tensors
 
@@ -443,6 +447,37 @@ def test_pause_abort_mode_aborts_running_and_holds_new_requests(server):
         assert not later.done()
         requests.post(f"{server}/continue_generation").raise_for_status()
         assert later.result(timeout=30)["meta_info"]["completion_tokens"] == 5
+
+
+def test_an_abort_pause_returns_after_the_requests_it_aborted_have_ended(tiny_model_dir):
+    """A weight push pauses the engines, then flushes their cache, and the flush refuses while requests run. The pause
+    (abort mode) must therefore end the running requests before it returns, not at the step after: a fully async
+    run's push once failed on `Cache not flushed: 4 request(s) are running` right after the pause."""
+    engine = CpuEngine(str(tiny_model_dir))
+    gate = threading.Event()
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=500, ignore_eos=True)
+        running = [
+            GenerationRequest(rid=f"r{i}", input_ids=PROMPT_IDS, params=params, max_new_tokens=500) for i in (0, 1)
+        ]
+        engine.submit(running)
+        deadline = time.time() + 60
+        while engine.load()["num_running_reqs"] < 2 or engine.generated_tokens_in_flight() == 0:
+            assert time.time() < deadline, engine.load()
+            time.sleep(0.01)
+        # Hold the worker between two steps, so the pause completes on the worker thread after this test has
+        # subscribed: the callback then sees the engine as a flush right after the pause would.
+        engine.call(gate.wait)
+        paused = engine.pause("abort")
+        seen_at_pause: list[dict[str, int]] = []
+        paused.add_done_callback(lambda _: seen_at_pause.append(engine.load()))
+        gate.set()
+        paused.result(timeout=30)
+        assert seen_at_pause == [{"num_running_reqs": 0, "num_waiting_reqs": 0, "num_total_reqs": 0}]
+        assert all(r.finish_reason["type"] == "abort" and 0 < len(r.output_ids) < 500 for r in running)
+    finally:
+        gate.set()
+        engine.shutdown()
 
 
 # ---------------------------------------------------------------- validation

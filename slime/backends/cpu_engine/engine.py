@@ -459,13 +459,16 @@ class CpuEngine:
                 controls = list(self._controls)
                 self._controls.clear()
                 self._abort_signal = False
+            # Requests aborted so far end before the controls run: an abort pause then returns with none running
+            # (the flush after it would refuse), and a weight update does not label their tokens with its version.
+            self._drop_aborted()
             for fn, future in controls:
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn())
                     except BaseException as error:  # handed to the caller through the future
                         future.set_exception(error)
-            self._drop_aborted()
+            self._drop_aborted()  # and those a control aborted (an adapter unloaded)
             if self._paused or self.released:
                 continue
             admitted = self._take_pending()
