@@ -30,6 +30,7 @@ from slime.utils.http_utils import (
     async_post_json,
     close_async_session,
     find_free_port,
+    get_json,
     post_json,
     wait_until_healthy,
 )
@@ -351,6 +352,32 @@ def test_flush_abort_pause_continue(engine):
     engine.pause_generation()
     engine.continue_generation()
     assert _generate(engine, [1, 2, 3], max_new_tokens=2)["meta_info"]["completion_tokens"] >= 1
+
+
+def test_flush_waits_up_to_its_bound_for_running_requests_to_leave(engine):
+    """A weight push flushes right after its pause, while SGLang may still be ending the requests the pause aborted:
+    `flush_cache(wait=...)` retries the engine's 400 (requests running) within its bound, then raises it."""
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_generate, engine, [1, 2, 3], 400)
+        deadline = time.monotonic() + 60
+        while get_json(f"{engine.url()}/v1/loads")["num_running_reqs"] == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+        engine.pause_generation(mode="in_place")  # the request stays in flight, so the flush keeps refusing
+        try:
+            with pytest.raises(HTTPRequestError) as refused:
+                engine.flush_cache()
+            assert refused.value.status == 400
+            started = time.monotonic()
+            with pytest.raises(HTTPRequestError):
+                engine.flush_cache(wait=0.5)
+            assert time.monotonic() - started >= 0.5  # retried for the whole bound, then raised
+            # The request leaves during the wait: the flush then succeeds.
+            threading.Timer(0.5, lambda: engine.abort_request(abort_all=True)).start()
+            engine.flush_cache(wait=30)
+        finally:
+            engine.continue_generation()
+        assert running.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def test_release_and_resume_memory(engine):

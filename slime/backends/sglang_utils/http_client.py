@@ -10,6 +10,7 @@ engine's own explanation.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from slime.utils.http_utils import HTTPRequestError, bearer_headers, get_json, post_json
@@ -84,9 +85,21 @@ class EngineClient:
         states = self.get_server_info().get("internal_states") or [{}]
         return (states[0].get("memory_usage") or {}).get("weight")
 
-    def flush_cache(self) -> Any:
-        """POST /flush_cache: drop the prefix (KV) cache. Raises HTTPRequestError if requests are still running."""
-        return self._post("flush_cache")
+    def flush_cache(self, wait: float = 0.0) -> Any:
+        """POST /flush_cache: drop the prefix (KV) cache.
+
+        The engine refuses (400) while requests are running. SGLang's scheduler ends the requests an abort pause
+        aborted a moment after the pause has answered, so a flush right after a pause gives them `wait` seconds:
+        refusals within it are retried every 0.1 s, and the last one is raised (HTTPRequestError).
+        """
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self._post("flush_cache")
+            except HTTPRequestError as error:
+                if error.status != 400 or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.1)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any:
         """POST /abort_request: abort the request `rid`, or every running request with `abort_all=True`."""

@@ -21,6 +21,10 @@ from slime.utils.fp8 import quantize_named_tensors, rollout_fp8_block
 from slime.utils.weight_sync import Bucket, weight_check_tolerance
 from slime.utils.weight_transport import segment_tag, shared_memory_available
 
+# Seconds a flush after the pause waits for the requests the pause aborted to leave the engine (SGLang ends them a
+# scheduler step after the pause answers; upstream slime retries its flush for up to a minute).
+FLUSH_WAIT_S = 60.0
+
 
 def choose_transport(
     args: Namespace,
@@ -164,7 +168,7 @@ class WeightUpdater:
         if self.rank == 0:
             try:
                 call_engines(self.engines, "pause_generation")
-                call_engines(self.engines, "flush_cache")
+                call_engines(self.engines, "flush_cache", wait=FLUSH_WAIT_S)
             except Exception as e:  # noqa: BLE001 - raised after the closing barrier
                 error = e
         dist.barrier()
@@ -188,7 +192,7 @@ class WeightUpdater:
     def _engines_paused(self) -> Iterator[None]:
         try:
             call_engines(self.engines, "pause_generation")
-            call_engines(self.engines, "flush_cache")
+            call_engines(self.engines, "flush_cache", wait=FLUSH_WAIT_S)
             yield
         except BaseException:
             resume_quietly(self.engines)
