@@ -179,6 +179,8 @@ class EnginePool:
             if self.monitor is None:
                 raise RuntimeError(self._router_death(what))
             self.restart_router_if_dead()
+        # The health monitor may restart an engine while this probe runs; `_recover` ignores a verdict older than that.
+        probe_started = time.monotonic()
         dead = self.dead_engines(released=released)
         if not dead:
             # The health monitor may have restarted the engine that failed the step already.
@@ -187,7 +189,7 @@ class EnginePool:
             raise RuntimeError(self._engine_death(what, dead))
         logger.warning("%s: inference engines %s died; restarting", what, dead)
         for index in dead:
-            self._recover(index, f"dead during {what}")
+            self._recover(index, f"dead during {what}", probe_started)
         return self.engines_awaiting_weights()
 
     def serving_problem(self, rollout_id: int) -> str | None:
@@ -243,15 +245,16 @@ class EnginePool:
         return metrics
 
     # ---- fault tolerance -----------------------------------------------------------------
-    def _recover(self, index: int, reason: str, probe_started: float = float("inf")) -> None:
-        """Take a failed engine out of the router and restart it on its own bundle (monitor thread).
+    def _recover(self, index: int, reason: str, probe_started: float) -> None:
+        """Take a failed engine out of the router and restart it on its own bundle (the monitor's thread, or the step
+        that found it dead); `probe_started` (time.monotonic()) is when the probe that found it failed began.
 
         The restarted engine still serves the checkpoint's weights, so it only goes back into the
         router in `readmit`, after the trainer has pushed the current weights to it.
         """
         with self._recovery_changed:
-            # The monitor thread and probe_now may both report one failure; a probe older than the last
-            # restart of this engine says nothing about the restarted one.
+            # The monitor thread, probe_now and a failed step may all report one failure; a probe older than the
+            # last restart of this engine says nothing about the restarted one.
             if index in self._recovering or probe_started < self._restarted_at.get(index, float("-inf")):
                 return
             self._recovering.add(index)
