@@ -34,7 +34,15 @@ DRIVER = textwrap.dedent(
          "register_this_process(); time.sleep(600)"],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    time.sleep(2.0)  # let the reaper note them
+    # The child's own child started and the outsider registered (an interpreter start can take seconds on a loaded
+    # machine), then two of the reaper's polls (0.5 s apart) to note the child's tree: it finds descendants only while
+    # the driver lives.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (
+        psutil.Process(child.pid).children() and f"{outsider.pid} " in open(pids_file).read()
+    ):
+        time.sleep(0.05)
+    time.sleep(1.5)
     job = [(p.pid, p.create_time()) for p in [psutil.Process(child.pid), *psutil.Process(child.pid).children()]]
     job.append((outsider.pid, psutil.Process(outsider.pid).create_time()))
     print(json.dumps(job), flush=True)
