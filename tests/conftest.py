@@ -13,6 +13,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # `support` (the shared helpers) and the dotted plugin paths tests pass
 
 from support.tiny_model import build_tiny_model  # noqa: E402
+from support.tiny_vlm import build_tiny_vlm  # noqa: E402
 
 # What pytest-timeout cannot stop (a hung teardown after a failure, a wait inside ray.get): support/watchdog.py.
 from support.watchdog import (  # noqa: E402, F401
@@ -72,8 +73,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_vlm_dir(tmp_path_factory) -> Path:
     """A tiny random-weight Qwen2.5-VL with tokenizer and image processor (support.tiny_vlm), built once per session.
     Tests only read it: one that changes the folder works on its own copy."""
-    from support.tiny_vlm import build_tiny_vlm  # here, not at the top: its imports cost every session ~1 s
-
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / "qwen2_5_vl")
 
 

@@ -5,11 +5,13 @@ The engine serves a copy of the tiny model taught one tool conversation by heart
 temperature 0 it really answers with a `<tool_call>` block, then with the answer after the tool's result.
 """
 
+from __future__ import annotations
+
 import asyncio
 import json
 import os
+from typing import TYPE_CHECKING
 
-import anthropic
 import openai
 import pytest
 from support.engines import engine_server
@@ -20,6 +22,9 @@ from slime.agent.adapters import AnthropicAdapter
 from slime.agent.aiohttp_threaded import FilteredAccessLogger, run_app_in_thread
 from slime.agent.trajectory_proxy import TrajectoryProxy, session_to_sample
 from slime.utils.types import Sample
+
+if TYPE_CHECKING:  # imported where used: `anthropic` costs every worker that collects this file ~1.2 s
+    import anthropic
 
 API_KEY = "engine-key"
 SYSTEM = "use the tools"
@@ -76,8 +81,10 @@ class Harness:
     def session(self, **kwargs):
         return self.proxy.open_session([self.engine_url], sampling_params=SAMPLING, **kwargs)
 
-    def client(self, cls=anthropic.AsyncAnthropic, **kwargs):
-        self.clients.append(cls(**kwargs, max_retries=0))
+    def client(self, cls=None, **kwargs):
+        import anthropic
+
+        self.clients.append((cls or anthropic.AsyncAnthropic)(**kwargs, max_retries=0))
         return self.clients[-1]
 
     def anthropic(self, session) -> anthropic.AsyncAnthropic:
@@ -177,6 +184,8 @@ def anthropic_conversation(client: anthropic.AsyncAnthropic):
 
 
 def test_tool_use_round_trip(engine, tokenizer):
+    import anthropic
+
     async def talk(h):
         session = h.session()
         client = h.anthropic(session)
@@ -251,6 +260,8 @@ def test_trajectory_equals_the_openai_routes(engine, tokenizer):
 def test_anthropic_adapter_served_from_its_own_thread(engine, tokenizer):
     """Upstream's wiring: an AnthropicAdapter app in a thread of its own (run_app_in_thread), a session keyed by the
     API key, and finish_session called from the rollout's loop returning the reward-carrying sample."""
+    import anthropic
+
     adapter = AnthropicAdapter(tokenizer=tokenizer, sglang_url=engine + "/", api_key=API_KEY, max_turns_per_sid=2)
     handle = run_app_in_thread(adapter.app, runner_kwargs={"access_log_class": FilteredAccessLogger})
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import copy
 
-import anthropic
 import numpy as np
 import openai
 import pytest
@@ -194,6 +193,8 @@ async def proxy_session(tokenizer, engine_url: str, talk, vision, wire: str = "o
         if wire == "openai":
             client = openai.AsyncOpenAI(base_url=proxy.base_url(session.session_id), api_key="any", max_retries=0)
         else:
+            import anthropic  # here: its import costs every worker that collects this file ~1.2 s
+
             url = proxy.anthropic_base_url(session.session_id)
             client = anthropic.AsyncAnthropic(base_url=url, api_key="any", max_retries=0)
         try:

@@ -13,9 +13,8 @@ import io
 from pathlib import Path
 
 import torch
+import transformers
 from PIL import Image
-from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3VLConfig
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from support.tiny_model import build_tokenizer
 
@@ -33,16 +32,17 @@ VL_CHAT_TEMPLATE = (
 )
 
 
-# Per arch: config class, vision patch size, and the text / vision config fields only that family has.
+# Per arch: config class name, vision patch size, and the text / vision config fields only that family has. Class
+# names, not classes: importing the VL classes costs ~0.8 s, and most importers of this module only make images.
 ARCHS = {
     "qwen2_5_vl": (
-        Qwen2_5_VLConfig,
+        "Qwen2_5_VLConfig",
         14,
         {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
         {"window_size": 56, "fullatt_block_indexes": [1]},
     ),
     "qwen3_vl": (
-        Qwen3VLConfig,
+        "Qwen3VLConfig",
         16,
         {
             "head_dim": 16,
@@ -77,10 +77,10 @@ def build_tiny_vlm(path: str | Path, arch: str = "qwen2_5_vl", seed: int = 0) ->
     tokens = dict(vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video)
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; use 'qwen2_5_vl' or 'qwen3_vl'")
-    config_class, patch, text_fields, vision_fields = ARCHS[arch]
+    config_class_name, patch, text_fields, vision_fields = ARCHS[arch]
     # Deep copies: the config classes rewrite `rope_scaling` in place, which would leak into the next build.
     text_fields, vision_fields = copy.deepcopy(text_fields), copy.deepcopy(vision_fields)
-    config = config_class(
+    config = getattr(transformers, config_class_name)(
         text_config={**text, **text_fields},
         vision_config=dict(
             depth=2,
@@ -97,7 +97,7 @@ def build_tiny_vlm(path: str | Path, arch: str = "qwen2_5_vl", seed: int = 0) ->
         **tokens,
     )
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     # Larger-than-default init (as tiny_model) so image features and positions visibly move the logits.
     with torch.no_grad():
         for param in model.parameters():
@@ -109,6 +109,8 @@ def build_tiny_vlm(path: str | Path, arch: str = "qwen2_5_vl", seed: int = 0) ->
     tokenizer.save_pretrained(path)
     # At most 4x4 merged tokens per image: a 56x56 (Qwen2.5) / 64x64 (Qwen3) image is 4 tokens.
     side = patch * 2
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     Qwen2VLImageProcessorPil(
         patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=side * side, max_pixels=(4 * side) ** 2
     ).save_pretrained(path)
