@@ -11,8 +11,8 @@ import pytest
 import ray
 import torch
 
-from slime.ray.placement_group import create_placement_groups
-from slime.ray.rollout import create_rollout_manager
+from slime.ray.placement_group import PlacementSlice, create_placement_groups
+from slime.ray.rollout import RolloutManager, create_rollout_manager
 from slime.utils.arguments import parse_args
 from slime.utils.engine_args import ENGINE_API_KEY_ENV, engine_api_key
 from slime.utils.http_utils import HTTPRequestError, bearer_headers, get_json, post_json
@@ -38,7 +38,7 @@ def rollout_args(model_dir, train_file, eval_file, *extra):
             "--prompt-data", str(train_file), "--input-key", "prompt", "--label-key", "label",
             "--apply-chat-template", "--rm-type", "math",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2",
-            "--rollout-max-response-len", "8", "--rollout-num-gpus", "2",
+            "--rollout-max-response-len", "8",
             "--eval-prompt-data", "held_out", str(eval_file),
             "--debug-rollout-only",
             *extra,
@@ -48,7 +48,7 @@ def rollout_args(model_dir, train_file, eval_file, *extra):
 
 @pytest.fixture(scope="module")
 def manager(ray_cluster, tiny_model_dir, data_files):
-    args = rollout_args(tiny_model_dir, *data_files)
+    args = rollout_args(tiny_model_dir, *data_files, "--rollout-num-gpus", "2")
     slices = create_placement_groups(args)
     manager = create_rollout_manager(args, slices["rollout"])
     yield manager
@@ -251,6 +251,44 @@ def test_engines_that_abort_everything_stop_the_rollout(manager):
     assert len(buffer) >= 9
 
 
+@pytest.fixture
+def filtering_manager(manager, tiny_model_dir, data_files):
+    """A second rollout manager, in this process, that over-samples, filters groups and continues partial ones, on
+    one of `manager`'s engines (as external engines, with their key: it starts none of its own)."""
+    url = ray.get(manager.get_engine_urls.remote())[1]
+    key = engine_api_key(ray.get(manager.__ray_call__.remote(lambda self: self.args)))
+    args = rollout_args(
+        tiny_model_dir, *data_files,
+        "--rm-type", "random", "--over-sampling-batch-size", "4", "--partial-rollout",
+        "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+        "--rollout-external-engine-addrs", url, "--sglang-api-key", key,
+    )  # fmt: skip
+    filtering = RolloutManager(args, PlacementSlice(None))
+    yield filtering
+    filtering.dispose()
+
+
+def test_over_sampling_keeps_only_groups_that_pass_the_filter(filtering_manager, tmp_path):
+    path = str(tmp_path / "rollout_{rollout_id}.pt")
+    filtering_manager.args.save_debug_rollout_data = path
+    metrics = filtering_manager.generate(0, 1).metrics
+    samples = [Sample.from_dict(d) for d in torch.load(path.format(rollout_id=0), weights_only=False)["samples"]]
+    assert len(samples) == 4  # rollout batch 2 groups x 2 samples
+    for first, second in zip(samples[::2], samples[1::2], strict=True):
+        assert first.group_index == second.group_index and first.reward != second.reward
+    # Every drawn group is accounted for: kept, dropped by the filter, or handed back to the data source.
+    assert (
+        metrics["rollout/submitted_groups"]
+        == 2 + metrics["rollout/dropped_groups"] + metrics["rollout/returned_groups"]
+    )
+    buffer = filtering_manager.data_source.buffer
+    assert len(buffer) == metrics["rollout/returned_groups"]
+    for group in buffer:
+        for s in group:
+            assert s.reward is None and s.status.value == "pending"
+            assert s.response_length == 0 or len(s.tokens) > s.response_length  # fresh, or a partial to continue
+
+
 @pytest.mark.reliability(
     "an engine dead at a step of the driver (generation, eval, weight push, offload, onload) without "
     "--use-fault-tolerance",
@@ -301,43 +339,6 @@ def test_dead_router_is_named(manager):
     message = str(raised.value.cause)
     assert f"the router at {router_url} died (exit code -9; log: {log})" in message
     assert "--use-fault-tolerance" in message and "--load" in message
-
-
-@pytest.fixture(scope="module")
-def filtering_manager(ray_cluster, tiny_model_dir, data_files):
-    args = rollout_args(
-        tiny_model_dir, *data_files,
-        "--rm-type", "random", "--over-sampling-batch-size", "4", "--partial-rollout",
-        "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
-    )  # fmt: skip
-    args.rollout_num_gpus = 1
-    slices = create_placement_groups(args)
-    manager = create_rollout_manager(args, slices["rollout"])
-    yield manager
-    ray.get(manager.dispose.remote())
-    ray.util.remove_placement_group(slices["rollout"].pg)
-
-
-def test_over_sampling_keeps_only_groups_that_pass_the_filter(filtering_manager, tmp_path):
-    path = str(tmp_path / "rollout_{rollout_id}.pt")
-    ray.get(filtering_manager.__ray_call__.remote(lambda self: setattr(self.args, "save_debug_rollout_data", path)))
-    batch = ray.get(filtering_manager.generate.remote(0, 1))
-    metrics = batch.metrics
-    samples = [Sample.from_dict(d) for d in torch.load(path.format(rollout_id=0), weights_only=False)["samples"]]
-    assert len(samples) == 4  # rollout batch 2 groups x 2 samples
-    for first, second in zip(samples[::2], samples[1::2], strict=True):
-        assert first.group_index == second.group_index and first.reward != second.reward
-    # Every drawn group is accounted for: kept, dropped by the filter, or handed back to the data source.
-    assert (
-        metrics["rollout/submitted_groups"]
-        == 2 + metrics["rollout/dropped_groups"] + metrics["rollout/returned_groups"]
-    )
-    buffer = ray.get(filtering_manager.__ray_call__.remote(lambda self: self.data_source.buffer))
-    assert len(buffer) == metrics["rollout/returned_groups"]
-    for group in buffer:
-        for s in group:
-            assert s.reward is None and s.status.value == "pending"
-            assert s.response_length == 0 or len(s.tokens) > s.response_length  # fresh, or a partial to continue
 
 
 def test_unused_groups_go_back_fresh_or_partial():
