@@ -35,6 +35,22 @@ TIER_TIMEOUTS = {"unit": 120, "integration": 400, "e2e": 900}
 # after each of the file's three runs (~5 s and ~6 CPU-s each); on a worker not connected yet they start none.
 RUN_FIRST = ("e2e/test_chaos.py", "integration/test_driver_restarts.py")
 
+# The integration files whose tests use the `ray_cluster` fixture. scripts/test.sh runs them on one worker, one after
+# another (support.xdist_units): each worker that runs one starts a Ray cluster of its own (~6 CPU-s, then ~2.4 CPU-s
+# a minute for its daemons while the session lasts), and over three workers they cost the fast tier two more.
+RAY_CLUSTER_FILES = (
+    "integration/test_driver_restarts.py",
+    "integration/test_flag_effects_with_actors.py",
+    "integration/test_flags_behaviour.py",
+    "integration/test_gpu_paths.py",
+    "integration/test_progress.py",
+    "integration/test_ray_cluster.py",
+    "integration/test_rollout_manager.py",
+    "integration/test_upstream_contract_manager.py",
+    "integration/test_user_files.py",
+    "integration/test_weight_sync_disk.py",
+)
+
 
 def order_files(items: list[pytest.Item]) -> None:
     """Sort `items` in place by file: RUN_FIRST files in their order, then by number of tests (most first); a file
@@ -49,12 +65,32 @@ def order_files(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: ties keep the collection order, as xdist's own sort does
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadfile`, whole files, with the RAY_CLUSTER_FILES as one unit (support.xdist_units)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from support.xdist_units import FilesWithOneRayWorker
+
+    return FilesWithOneRayWorker(config, log, ray_files=[f"{TESTS.name}/{path}" for path in RAY_CLUSTER_FILES])
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        tier = Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
+        relative = Path(str(item.path)).resolve().relative_to(TESTS)
+        tier = relative.parts[0]
         if tier not in TIER_TIMEOUTS:
             raise pytest.UsageError(f"{item.nodeid}: a test lives in tests/unit, tests/integration or tests/e2e")
+        if (
+            tier == "integration"
+            and "ray_cluster" in item.fixturenames
+            and relative.as_posix() not in RAY_CLUSTER_FILES
+        ):
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the ray_cluster fixture: add {relative.as_posix()} to RAY_CLUSTER_FILES in "
+                "tests/conftest.py, whose files run on one worker with one cluster"
+            )
         item.add_marker(getattr(pytest.mark, tier))
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TIER_TIMEOUTS[tier]))
