@@ -3,6 +3,7 @@
     pip install trl==1.16.0                      # bench-only dependency
     python bench/grpo_vs_trl.py --model models/SmolLM2-135M-Instruct --steps 6
     python bench/grpo_vs_trl.py --lora 16      # slime-LoRA vs TRL-LoRA (same peft config) vs TRL full
+    python bench/grpo_vs_trl.py --slime-flags "" --slime-flags "--bf16 --sglang-dtype bfloat16" --trl-bf16
 
 Config on both sides: 8 prompts x 4 samples per step, 32 new tokens, temperature 1, lr 1e-5,
 beta 0 (no KL), one optimizer step per rollout, one torch thread per process (slime's engine
@@ -143,7 +144,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from slime.rollout.rm_hub.last_number import compute_last_number_reward
 
-model, data, steps, out, lora_rank = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+model, data, steps, out, lora_rank, bf16 = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6] == "1"
 dataset = load_dataset("json", data_files=data, split="train")
 dataset = dataset.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]})
 
@@ -161,7 +162,7 @@ class StepTimer(TrainerCallback):
 config = GRPOConfig(
     output_dir=out, per_device_train_batch_size=32, num_generations=4, max_completion_length=32,
     temperature=1.0, learning_rate=1e-4 if lora_rank else 1e-5, beta=0.0, max_steps=steps, logging_steps=1, report_to=[],
-    use_cpu=True, bf16=False, save_strategy="no", num_iterations=1, gradient_accumulation_steps=1,
+    use_cpu=True, bf16=bf16, save_strategy="no", num_iterations=1, gradient_accumulation_steps=1,
 )
 timer = StepTimer()
 peft_config = None
@@ -176,11 +177,13 @@ json.dump(timer.times, open(out + "/step_times.json", "w"))
 """
 
 
-def bench_trl(model: str, data: Path, steps: int, workdir: Path, lora_rank: int = 0) -> tuple[float, PeakMemory]:
-    out = workdir / f"trl-lora{lora_rank}"
+def bench_trl(
+    model: str, data: Path, steps: int, workdir: Path, lora_rank: int = 0, bf16: bool = False
+) -> tuple[float, PeakMemory]:
+    out = workdir / f"trl-lora{lora_rank}{'-bf16' if bf16 else ''}"
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    command = [sys.executable, "-c", TRL_SCRIPT, model, str(data), str(steps), str(out), str(lora_rank)]
+    command = [sys.executable, "-c", TRL_SCRIPT, model, str(data), str(steps), str(out), str(lora_rank), str(int(bf16))]
     code, peak = run_and_measure(command, env)
     if code != 0:
         raise SystemExit(f"TRL run failed with exit code {code}")
@@ -194,6 +197,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-tokens-per-gpu", type=int, default=512, help="slime's micro-batch token budget")
     parser.add_argument("--lora", type=int, default=0, metavar="R", help="train rank-R LoRA adapters on both sides")
+    parser.add_argument(
+        "--trl-bf16",
+        action="store_true",
+        help="run TRL a second time with bf16=True (accelerate's autocast), the same precision as slime's --bf16",
+    )
     parser.add_argument(
         "--slime-flags",
         action="append",
@@ -214,6 +222,8 @@ def main() -> None:
                 model, data, args.steps, workdir, args.max_tokens_per_gpu, args.lora, tuple(flags.split())
             )
         rows["TRL"] = bench_trl(model, data, args.steps, Path(tmp), args.lora)
+        if args.trl_bf16:
+            rows["TRL bf16"] = bench_trl(model, data, args.steps, Path(tmp), args.lora, bf16=True)
         if args.lora:
             rows["TRL full"] = bench_trl(model, data, args.steps, Path(tmp))
     title = f"   (LoRA rank {args.lora})" if args.lora else ""
@@ -221,11 +231,15 @@ def main() -> None:
     print(f"{'':{width}} {'s/step':>8} {'peak RSS GiB':>13} {'peak PSS GiB':>13}{title}")
     for name, (step, peak) in rows.items():
         print(f"{name:{width}} {step:8.1f} {peak.rss:13.2f} {peak.pss:13.2f}")
-    (slime_step, slime_peak), (trl_step, trl_peak) = rows["slime"], rows["TRL"]
-    print(
-        f"speed ratio slime/TRL (steps/s): {trl_step / slime_step:.2f}x   memory ratio slime/TRL: "
-        f"{slime_peak.rss / trl_peak.rss:.2f} (RSS), {slime_peak.pss / trl_peak.pss:.2f} (PSS)"
-    )
+    for trl in ("TRL", "TRL bf16") if args.trl_bf16 else ("TRL",):
+        trl_step, trl_peak = rows[trl]
+        for name, (slime_step, slime_peak) in rows.items():
+            if name.startswith("slime"):
+                print(
+                    f"{name} / {trl}: speed (steps/s) {trl_step / slime_step:.2f}x, memory "
+                    f"{slime_peak.rss / trl_peak.rss:.2f} (RSS), {slime_peak.pss / trl_peak.pss:.2f} (PSS)"
+                )
+    slime_peak = rows["slime"][1]
     if args.lora:
         full = rows["TRL full"][1]
         print(f"slime-LoRA PSS / TRL full fine-tune PSS: {slime_peak.pss / full.pss:.2f}")

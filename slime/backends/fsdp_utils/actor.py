@@ -43,6 +43,7 @@ from slime.backends.fsdp_utils.model import (
     shard_model,
     snapshot_local_shards,
     training_device,
+    use_float32_attention,
     vision_batching,
 )
 from slime.backends.fsdp_utils.update_weight import full_parameter_buckets
@@ -52,6 +53,7 @@ from slime.utils.device import cuda_available
 from slime.utils.micro_batches import split_per_sample
 from slime.utils.misc import release_free_host_memory
 from slime.utils.moe_routing import HFRouters
+from slime.utils.perf import cpu_has_bf16_matmul
 from slime.utils.ppo_utils import compute_log_probs
 from slime.utils.processing_utils import is_vision_language
 from slime.utils.weight_sync import Bucket
@@ -75,8 +77,8 @@ class FSDPTrainRayActor(TrainRayActor):
         torch.manual_seed(args.seed)
         self.device = training_device()
         self.dp_size = dist.get_world_size()
-        if args.bf16 and not cuda_available():
-            logger.warning("--bf16 on CPU: bf16 matmuls are far slower than float32 on CPUs without bf16 units")
+        if args.bf16 and not cuda_available() and not cpu_has_bf16_matmul():
+            logger.warning("--bf16 on a CPU without bf16 units (AMX, AVX512-BF16): its bf16 matmuls are far slower")
 
         start_path = args.load if is_hf_folder(args.load) else args.hf_checkpoint
         # Megatron's --recompute-* and --attention-backend mean the same here (arguments.add_fsdp_megatron_arguments).
@@ -89,6 +91,10 @@ class FSDPTrainRayActor(TrainRayActor):
             attn_implementation=attention,
             trust_remote_code=args.trust_remote_code,
         )
+        # --bf16 on CPU: every forward runs under bf16 autocast (model.use_float32_attention)
+        self.cpu_bf16 = args.bf16 and self.device.type == "cpu"
+        if self.cpu_bf16:
+            use_float32_attention(model)
         self.attn_implementation = model.config._attn_implementation
         self.sliding_window = sliding_window_of(model.config)
         if self.lora:  # --lora-rank: an adapter on the frozen base (the reference is the base: TrainRayActor)
@@ -201,7 +207,8 @@ class FSDPTrainRayActor(TrainRayActor):
         return self._response_logits(micro_batch, self.args.rollout_temperature)
 
     def _values_output(self, micro_batch: PackedMicroBatch) -> torch.Tensor:
-        return response_values(self.model, micro_batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cpu_bf16):
+            return response_values(self.model, micro_batch)
 
     def _response_logits(self, micro_batch: PackedMicroBatch, temperature: float) -> torch.Tensor:
         """`response_logits`, the routers replaying the micro-batch's routing when `replay_routing` is on.
@@ -211,7 +218,8 @@ class FSDPTrainRayActor(TrainRayActor):
         if self.routers is not None:
             routing = micro_batch.routed_experts if self.replay_routing else None
             self.routers.replay = None if routing is None else routing.flatten(0, 1)
-        return response_logits(self.model, micro_batch, temperature)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cpu_bf16):
+            return response_logits(self.model, micro_batch, temperature)
 
     @torch.no_grad()
     def _forward_per_sample(

@@ -4,12 +4,13 @@ backbone with a scalar value head (critic), sharded with FSDP2 `fully_shard`.
 Sharding: each decoder layer (the classes HF lists in `_no_split_modules`) is its own FSDP unit,
 then the root, so embeddings, final norm and LM head live in the root unit (tied embeddings stay
 tied). Parameters become DTensors sharded on dim 0 over a 1-D mesh of all ranks; on CPU the mesh
-is a "cpu" mesh over gloo, which FSDP2 supports at any world size. A single float32 rank is not
-sharded at all (see `shard_model`); everything below accepts plain tensors as well as DTensors.
+is a "cpu" mesh over gloo, which FSDP2 supports at any world size. A single rank is not sharded
+at all unless FSDP casts its parameters for `--bf16` on GPU (see `shard_model`); everything below accepts plain tensors as well as DTensors.
 
 Precision: float32 everywhere by default (bf16 matmuls are ~200x slower on AVX2-only CPUs). With
-`--bf16` (meant for GPUs) FSDP computes in bf16 and keeps float32 master weights, gradient
-reduction and optimizer state.
+`--bf16` the forward and backward compute in bf16 while weights, gradients and optimizer state stay
+float32: on GPU through FSDP2's mixed-precision policy, on CPU under `torch.autocast`,
+where the matmuls run on the CPU's bf16 units (AMX, AVX512-BF16) and attention stays float32.
 
 Vision-language checkpoints (a `vision_config` in config.json: Qwen2.5-VL, Qwen3-VL, ...) load as
 `AutoModelForImageTextToText`; their micro-batches carry the images and M-RoPE positions
@@ -33,7 +34,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AttentionInterface, AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from slime.backends.fsdp_utils.data_packing import PackedMicroBatch, VisionBatching
 from slime.utils.device import default_device
@@ -48,6 +51,32 @@ VISION_TOWER_PATTERN = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
 def training_device() -> torch.device:
     """The current CUDA device when there is one, else CPU."""
     return default_device()
+
+
+def _sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
+    # On CPU the bf16 flash-attention backward runs ~4.7x slower than the float32 one (22 vs 4.7 ms at
+    # 8 rows x 9 heads x 64 tokens, one thread), so under bf16 autocast attention stays float32.
+    with torch.autocast("cpu", enabled=False):
+        return sdpa_attention_forward(module, query.float(), key.float(), value.float(), *args, **kwargs)
+
+
+# HF's "sdpa" computed in float32 whatever the autocast (`use_float32_attention`).
+SDPA_FLOAT32 = "sdpa_float32"
+AttentionInterface.register(SDPA_FLOAT32, _sdpa_in_float32)
+AttentionMaskInterface.register(SDPA_FLOAT32, sdpa_mask)
+
+
+def use_float32_attention(model: nn.Module) -> None:
+    """Run an sdpa model's attention in float32 under bf16 autocast (`SDPA_FLOAT32`); other kernels stay.
+
+    With `--bf16` on CPU the trainer's forwards run under `torch.autocast("cpu", torch.bfloat16)`: matmuls
+    in bf16 from float32 weights (each weight cast once per forward, each gradient cast back), so weights,
+    gradients and optimizer state stay float32 and FSDP needs no mixed-precision policy. On one core of
+    an AMX Xeon a SmolLM2-135M forward and backward over 512 tokens took 1.8 s that way, 4.0 s in float32.
+    """
+    hf_model = model.backbone if isinstance(model, ValueModel) else model
+    if hf_model.config._attn_implementation == "sdpa":
+        hf_model.set_attn_implementation(SDPA_FLOAT32)
 
 
 def is_hf_folder(path: str | None) -> bool:
@@ -209,14 +238,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_model(model: nn.Module, world_size: int, bf16: bool = False) -> tuple[nn.Module, DeviceMesh]:
     """Move the model to the training device and shard it with FSDP2: each decoder layer, then the root.
 
-    A single float32 rank is left unsharded: FSDP would only copy every parameter into an
+    A single rank is left unsharded unless FSDP casts its parameters (bf16 on GPU): FSDP would only copy every parameter into an
     unsharded buffer before each forward and backward, and every gradient back (measured on CPU:
     about 0.3 s per micro-batch of SmolLM2-135M), for nothing to share.
 
     Args:
         model: Unsharded model from `load_model`.
         world_size: Ranks of the default process group (the data-parallel size).
-        bf16: Compute in bfloat16 with float32 master weights and gradient reduction.
+        bf16: Compute in bfloat16 with float32 master weights and gradient reduction (on GPU; on CPU
+            the actor computes under autocast and the shards stay float32: `use_float32_attention`).
 
     Returns:
         (the sharded model, its 1-D device mesh).
@@ -224,6 +254,7 @@ def shard_model(model: nn.Module, world_size: int, bf16: bool = False) -> tuple[
     device = training_device()
     mesh = init_device_mesh(device.type, (world_size,))
     model.to(device)
+    bf16 = bf16 and device.type == "cuda"
     if world_size == 1 and not bf16:
         return model, mesh
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
@@ -235,7 +266,12 @@ def shard_model(model: nn.Module, world_size: int, bf16: bool = False) -> tuple[
 
 
 def build_optimizer(args: Namespace, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW from `--lr`, `--adam-beta1/2`, `--adam-eps`, `--weight-decay`."""
+    """AdamW from `--lr`, `--adam-beta1/2`, `--adam-eps`, `--weight-decay`.
+
+    The fused kernel updates each parameter in one pass with no temporaries: for SmolLM2-135M on one
+    CPU core a step took 0.16 s and no extra memory, against 0.65 s and a 0.5 GiB peak for the
+    default multi-tensor (foreach) form.
+    """
     if args.optimizer != "adam":
         raise ValueError(f"the FSDP backend supports --optimizer adam only, got {args.optimizer!r}")
     return torch.optim.AdamW(
@@ -244,6 +280,7 @@ def build_optimizer(args: Namespace, model: nn.Module) -> torch.optim.Optimizer:
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_eps,
         weight_decay=args.weight_decay,
+        fused=True,
     )
 
 

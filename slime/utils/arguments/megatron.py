@@ -57,7 +57,11 @@ def add_megatron_subset_arguments(parser: argparse.ArgumentParser) -> argparse.A
         action="store_true",
         help="Normalize the loss by the token count of the step, not per sample.",
     )
-    optim.add_argument("--bf16", action="store_true", help="Train in bf16 (slow on CPUs without bf16 units).")
+    optim.add_argument(
+        "--bf16",
+        action="store_true",
+        help="Train in bf16 with float32 master weights (FSDP on CPU: under autocast, attention in float32; slow on CPUs without bf16 units).",
+    )
     optim.add_argument("--fp16", action="store_true")
 
     batch = parser.add_argument_group("batch (Megatron names)")
