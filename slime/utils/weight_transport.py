@@ -7,9 +7,8 @@ SGLang's conventions so a trainer never needs to know which one it talks to). No
 - Same host, CPU tensors (`/update_weights_from_tensor` with `load_format=SHARED_MEMORY_FORMAT`, the CPU
   engine): a trainer process keeps sealed memory files (memfd: anonymous, never a name in /dev/shm) for its
   whole life, two per chunk of a push. `stage_named_tensors` copies a chunk into one of them that the receiver
-  does not hold (one memcpy per tensor, into pages it reserves again: after each push the segments the receiver
-  left hold a stale copy, and `free_idle_send_segments` gives their memory back until the next push) and returns
-  JSON naming the segment, the sender's pid and fd, and each tensor's dtype, shape and
+  does not hold (one memcpy per tensor; after the first pushes the pages are already mapped, so no page
+  faults) and returns JSON naming the segment, the sender's pid and fd, and each tensor's dtype, shape and
   byte offset. The receiver opens each segment once through /proc/<pid>/fd/<fd> and maps it
   (`MappedSegments`), checks every name, dtype, shape and offset against it (`parse_shared_payload`,
   `MappedSegments.named_tensors`) and points its parameters of the same dtype at the views instead of copying;
@@ -269,9 +268,7 @@ def _fd_path(pid: int, fd: int) -> str:
 class _SendSegment:
     name: str
     fd: int  # open for the segment's life: a receiver opens the memory through /proc/<pid>/fd/<fd>
-    memory: mmap.mmap  # a read-write mapping of the whole segment
-    data: torch.Tensor  # flat uint8 over `memory`
-    reserved: bool = True  # its pages are allocated; False once `free_idle_send_segments` gave them back
+    data: torch.Tensor  # flat uint8 over a read-write mapping of the whole segment
 
 
 _SEND_SEGMENTS: dict[int, list[_SendSegment]] = {}  # this process's segments, by chunk index
@@ -279,14 +276,6 @@ _SEND_SEGMENTS: dict[int, list[_SendSegment]] = {}  # this process's segments, b
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def _out_of_memory(nbytes: int, error: OSError) -> RuntimeError:
-    return RuntimeError(
-        f"cannot reserve {nbytes / 2**20:.0f} MiB of shared memory for a colocated weight update: "
-        f"{error.strerror}; give the trainer's host (or its container's memory limit) more room, or run the "
-        "engines apart from the trainer (no --colocate)"
-    )
 
 
 def _create_segment(nbytes: int, tag: str | None) -> _SendSegment:
@@ -301,33 +290,18 @@ def _create_segment(nbytes: int, tag: str | None) -> _SendSegment:
         memory = mmap.mmap(fd, nbytes)
     except OSError as error:
         os.close(fd)
-        raise _out_of_memory(nbytes, error) from None
-    return _SendSegment(name, fd, memory, torch.frombuffer(memory, dtype=torch.uint8))
+        raise RuntimeError(
+            f"cannot reserve {nbytes / 2**20:.0f} MiB of shared memory for a colocated weight update: "
+            f"{error.strerror}; give the trainer's host (or its container's memory limit) more room, or run the "
+            "engines apart from the trainer (no --colocate)"
+        ) from None
+    return _SendSegment(name, fd, torch.frombuffer(memory, dtype=torch.uint8))
 
 
 def _close(segment: _SendSegment) -> None:
     """Let go of the segment; its memory goes once no process maps it (ours goes with `segment.data`)."""
     with contextlib.suppress(OSError):
         os.close(segment.fd)
-
-
-def free_idle_send_segments(held: Collection[str], chunks: Iterable[int]) -> int:
-    """Give back the pages of the send segments of `chunks` that no weights live in; returns the bytes freed.
-
-    After a push the receiver's weights live in the segments it just mapped (`held`: its last answer's
-    `segments_in_use`); the other segment of each chunk holds the push before, a whole copy of the weights
-    in the push's dtype that nothing reads until the next push refills it. Its pages go now (punched out of
-    the memory file, so from every process that maps it) and the next `stage_named_tensors` into it
-    reserves them again: a page fault per page at the next push instead of the copy's memory in between.
-    """
-    freed = 0
-    for index in chunks:
-        for segment in _SEND_SEGMENTS.get(index, []):
-            if segment.reserved and segment.name not in held:
-                segment.memory.madvise(mmap.MADV_REMOVE)
-                segment.reserved = False
-                freed += len(segment.memory)
-    return freed
 
 
 def release_send_segments() -> None:
@@ -345,9 +319,8 @@ def stage_named_tensors(
     """Copy (name, tensor) pairs into one of this process's two segments for chunk `index` and describe them.
 
     The segment is one not in `held`; it is created on first use, replaced by a larger one when the tensors
-    do not fit, and kept for later pushes (its pages reserved again if `free_idle_send_segments` gave them
-    back). A held segment is never written (only closed when both are held, which leaves the receiver's
-    memory alone).
+    do not fit, and kept for later pushes, so they write into pages that are already mapped. A held segment
+    is never written (only closed when both are held, which leaves the receiver's memory alone).
 
     Args:
         named_tensors: (HF parameter name, tensor) pairs; any device, dtype and strides.
@@ -380,12 +353,6 @@ def stage_named_tensors(
             _close(old)
         segment = _create_segment(_round_up(max(end, 1), 2**20), tag)
         segments.append(segment)
-    if not segment.reserved:
-        try:
-            os.posix_fallocate(segment.fd, 0, len(segment.memory))
-        except OSError as error:
-            raise _out_of_memory(len(segment.memory), error) from None
-        segment.reserved = True
     for (_, tensor), entry in zip(named_tensors, entries):
         start = entry["offset"]
         target = segment.data[start : start + tensor.numel() * tensor.element_size()]

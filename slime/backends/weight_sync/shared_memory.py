@@ -12,12 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from slime.backends.weight_sync.base import WeightTransport, call_engine
 from slime.utils.weight_sync import Bucket, bucket_named_tensors
-from slime.utils.weight_transport import (
-    SEGMENT_BYTES,
-    SHARED_MEMORY_FORMAT,
-    free_idle_send_segments,
-    stage_named_tensors,
-)
+from slime.utils.weight_transport import SEGMENT_BYTES, SHARED_MEMORY_FORMAT, stage_named_tensors
 
 
 class SharedMemoryTransport(WeightTransport):
@@ -69,8 +64,5 @@ class SharedMemoryTransport(WeightTransport):
                     payload = stage_named_tensors(chunk, chunks, held, self.tag)
                     posts.append(poster.submit(post, serialized_named_tensors=[payload]))
                     chunks += 1
-            answer = None
             while posts:
-                answer = posts.popleft().result()
-        if answer is not None:  # the previous push's copy is not read again: free it until the next push
-            free_idle_send_segments(answer["segments_in_use"], range(chunks))
+                posts.popleft().result()
