@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load as load_safetensors
 
-from slime.backends.cpu_engine.weights import read_regular_file
+from slime.backends.cpu_engine.weights import all_finite, read_regular_file
 from slime.utils.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 SAVED_PREFIX = "base_model.model."
@@ -323,7 +323,7 @@ def build_adapter(
                 f"(lora_A is [r, in_features], lora_B [out_features, r], r={parsed.rank} from the config)"
             )
         owned = tensor.to(dtype, copy=True).contiguous()
-        if not bool(torch.isfinite(owned).all()):
+        if not all_finite(owned):
             raise ValueError(f"adapter tensor {tensor_name!r} holds NaN or infinite values")
         parts[module][kind] = owned
     missing = [f"{SAVED_PREFIX}{m}.lora_{k}.weight" for m in sorted(targets) for k in "AB" if k not in parts.get(m, {})]
