@@ -5,12 +5,13 @@ Sharding: each decoder layer (the classes HF lists in `_no_split_modules`) is it
 then the root, so embeddings, final norm and LM head live in the root unit (tied embeddings stay
 tied). Parameters become DTensors sharded on dim 0 over a 1-D mesh of all ranks; on CPU the mesh
 is a "cpu" mesh over gloo, which FSDP2 supports at any world size. A single rank is not sharded
-at all unless FSDP casts its parameters for `--bf16` on GPU (see `shard_model`); everything below accepts plain tensors as well as DTensors.
+at all unless FSDP casts its parameters (`--bf16` on GPU; see `shard_model`); everything below
+accepts plain tensors as well as DTensors.
 
 Precision: float32 everywhere by default (bf16 matmuls are ~200x slower on AVX2-only CPUs). With
 `--bf16` the forward and backward compute in bf16 while weights, gradients and optimizer state stay
-float32: on GPU through FSDP2's mixed-precision policy, on CPU under `torch.autocast`,
-where the matmuls run on the CPU's bf16 units (AMX, AVX512-BF16) and attention stays float32.
+float32: on GPU through FSDP2's mixed-precision policy, on CPU under `torch.autocast`, where the
+matmuls run on the CPU's bf16 units (AMX, AVX512-BF16) and attention stays float32.
 
 Vision-language checkpoints (a `vision_config` in config.json: Qwen2.5-VL, Qwen3-VL, ...) load as
 `AutoModelForImageTextToText`; their micro-batches carry the images and M-RoPE positions
