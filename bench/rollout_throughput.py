@@ -6,7 +6,8 @@ Both sides decode the same 32 chat prompts for exactly 64 new tokens (EOS ignore
 temperature 1 with the same thread count and parameter dtype, one after the other. Prints tokens/s of each, the ratio
 engine / generate (the target is >= 0.9: the HTTP path should cost little), and the engine's share of the
 compute floor (2 FLOPs per parameter per token at the cores' FP32 peak, the larger of the clock's and a measured
-matmul's; a bfloat16 run is measured against the same FP32 floor, so its share says how much faster than that floor the CPU's bf16 units make decoding).
+matmul's; a bfloat16 run is measured against the same FP32 floor, so its share says how much faster than that floor
+the CPU's bf16 units make decoding).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     The cumulative sums are float64, so a token of tiny probability keeps its share of the draws. They are
     taken in two levels: the sums of blocks of `_BLOCK` tokens, then the running sum inside the one block
     the draw falls in (the same token as one float64 cumsum over the vocabulary, up to the order of the
-    additions, at ~1/6 of its cost: 1.2 vs 8.0 ms for 32 x 49152 on one core). The token picked always has
+    additions, at ~1/6 of its cost: 1.2 vs 6.8-8.0 ms for 32 x 49152 on one core). The token picked always has
     non-zero probability.
 
     Args:

@@ -223,8 +223,13 @@ def check_names_and_shapes(
         raise ValueError("weight update rejected, nothing was changed: " + " and ".join(problems))
 
 
-_SUMMABLE = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
-             torch.float16: torch.float32}  # fmt: skip
+# The dtype `all_finite` sums each floating-point dtype in (half precisions would overflow at 65504 in fp16).
+_SUMMABLE = {
+    torch.float64: torch.float64,
+    torch.float32: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float16: torch.float32,
+}
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
